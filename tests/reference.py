@@ -1,0 +1,51 @@
+"""The correctness reference: Hugging Face transformers on the same weights, fp32, greedy."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from treadle.models.loader import iter_hf_weights, load_hf_config
+
+
+class HFReference:
+    """Greedy decoding with transformers' own forward pass and KV cache, one prompt at a time.
+
+    The weights come through treadle's loader (test_loader proves they equal transformers' own
+    GGUF load), which skips transformers' slower GGUF path for every test session.
+    """
+
+    def __init__(self, path: str) -> None:
+        config = load_hf_config(path)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = dict(iter_hf_weights(path))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected, unexpected
+        assert all("lm_head" in m for m in missing), missing
+        model.tie_weights()
+        self.model = model.eval()
+        self._memo: dict[tuple, list[int]] = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Argmax decoding with no EOS handling (what treadle does with ignore_eos=True)."""
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key in self._memo:
+            return self._memo[key]
+        ids = torch.tensor([prompt_ids])
+        out = self.model(input_ids=ids, use_cache=True)
+        past, tokens = out.past_key_values, []
+        for _ in range(max_new_tokens):
+            nxt = int(out.logits[0, -1].argmax())
+            tokens.append(nxt)
+            out = self.model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        self._memo[key] = tokens
+        return tokens
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: list[int]) -> torch.Tensor:
+        """log p(token i | tokens < i) for i >= 1."""
+        logits = self.model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
+        lps = torch.log_softmax(logits, dim=-1)
+        return lps[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0]

@@ -1,0 +1,187 @@
+"""The offline API end to end on the embedded model: inputs, outputs, sampling, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path)
+
+
+def no_leaks(llm: LLM) -> None:
+    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+    assert not llm.engine.output_processor.requests
+
+
+def test_prompt_forms_and_input_order(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The capital of France is")
+    params = SamplingParams(temperature=0, max_tokens=6)
+    outs = llm.generate(["The capital of France is", {"prompt": "The capital of France is"},
+                         {"prompt_token_ids": ids}, "1, 2, 3,"], params, use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert outs[0].prompt == "The capital of France is" and outs[2].prompt is None
+    assert outs[2].prompt_token_ids == ids
+    assert outs[3].outputs[0].text != outs[0].outputs[0].text
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and c.finish_reason in ("stop", "length") and c.index == 0
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    no_leaks(llm)
+
+
+def test_chat_uses_the_template_and_stops_at_eos(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert "Paris" in c.text
+    assert c.finish_reason == "stop" and c.stop_reason is None   # EOS
+    assert c.token_ids[-1] == llm.get_tokenizer().eos_token_id
+    assert "<|im_end|>" not in c.text
+    no_leaks(llm)
+
+
+def test_stop_strings_truncate_text(llm):
+    base = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert " 6," in base.outputs[0].text, base.outputs[0].text
+    out = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12, stop=[" 6"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == " 6"
+    assert out.text == base.outputs[0].text.split(" 6")[0]
+    kept = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12, stop=[" 6"],
+                                                      include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == out.text + " 6"
+    no_leaks(llm)
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    tok = llm.get_tokenizer()
+    base = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[2]
+    out = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    first = base.token_ids.index(stop_id)
+    assert out.token_ids == base.token_ids[:first + 1] and out.stop_reason == stop_id
+    # min_tokens bans EOS until reached: the chat reply runs past its natural end.
+    params = SamplingParams(temperature=0, max_tokens=30, min_tokens=25)
+    c = llm.chat([{"role": "user", "content": "Say hi."}], params, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) >= 25
+    assert tok.eos_token_id not in c.token_ids[:24]
+
+
+def test_logprobs_and_prompt_logprobs(llm, smollm2_path, reference):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The quick brown fox jumps over the lazy dog")
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 5
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        assert tid in entry and entry[tid].rank == 1          # greedy picks the top token
+        assert 3 <= len(entry) <= 4
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    expected = reference(smollm2_path).prompt_logprobs(ids)
+    got = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+    no_leaks(llm)
+
+
+def test_n_samples_share_the_prompt_and_differ(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=4, seed=7)
+    out = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    again = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    no_leaks(llm)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=12, seed=1234)
+    alone = llm.generate("Tell me a story about a dragon", params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(
+        ["Hello there", "Tell me a story about a dragon", "def add(a, b):"],
+        [SamplingParams(temperature=1.0, max_tokens=20), params,
+         SamplingParams(temperature=0.5, max_tokens=5, seed=3)], use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+    other_seed = llm.generate("Tell me a story about a dragon",
+                              SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=12, seed=99),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_penalties_change_the_output(llm):
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    for kwargs in ({"repetition_penalty": 1.8}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, **kwargs), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids != base.outputs[0].token_ids, kwargs
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"min_p": 2.0}, "min_p"),
+])
+def test_invalid_sampling_params_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_invalid_inputs_are_rejected_without_leaking(llm):
+    vocab = llm.engine.config.model.vocab_size
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate({"prompt_token_ids": [1, vocab]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * llm.engine.config.model.max_model_len}, use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate("hi", SamplingParams(logprobs=1000), use_tqdm=False)
+    # A bad prompt among good ones adds none of them.
+    with pytest.raises(ValueError):
+        llm.generate(["fine", ""], use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(TypeError, match="unknown engine arguments"):
+        LLM(not_an_arg=1)
+    no_leaks(llm)
+
+
+def test_prompt_too_big_for_the_kv_cache_is_rejected(smollm2_path):
+    small = LLM(smollm2_path, num_kv_blocks=4, block_size=16, max_model_len=2048)
+    # The cache holds 48 tokens, so max_model_len is capped to it.
+    assert small.engine.config.model.max_model_len == 48
+    with pytest.raises(ValueError, match="max_model_len"):
+        small.generate({"prompt_token_ids": [5] * 60}, use_tqdm=False)
+    out = small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=100, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+
+
+def test_reset_prefix_cache(llm):
+    llm.generate("Some prompt long enough to fill a block or two of the cache, surely.",
+                 SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.core.scheduler.kv_cache.pool.hash_to_block
+    assert llm.reset_prefix_cache() is True
+    assert not llm.engine.core.scheduler.kv_cache.pool.hash_to_block
+
+
+def test_max_tokens_none_runs_to_max_model_len(smollm2_path):
+    small = LLM(smollm2_path, max_model_len=24)
+    out = small.generate({"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"

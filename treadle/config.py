@@ -1,0 +1,197 @@
+"""Engine configuration: one dataclass per concern, built from flat `EngineArgs`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    model: str                 # resolved local path: a HF folder or a .gguf file
+    hf_config: Any             # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None          # explicit block count wins
+    kv_cache_memory_bytes: int | None = None  # else a byte budget; else sized to the machine
+    enable_prefix_caching: bool = True
+
+    def bytes_per_block(self, model: ModelConfig) -> int:
+        elem = torch.tensor([], dtype=model.dtype).element_size()
+        return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class TreadleConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments, named as in vLLM; `create_config` validates and groups them."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    device: str | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_config(self) -> TreadleConfig:
+        from treadle.models.loader import load_hf_config, resolve_model
+
+        device = self.device or _default_device()
+        path = resolve_model(self.model)
+        hf_config = load_hf_config(path)
+        dtype = _resolve_dtype(self.dtype, device)
+
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            max_model_len = max_pos
+        elif self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        else:
+            max_model_len = self.max_model_len
+        _check_positive("block_size", self.block_size)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (one is the null block), got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None:
+            _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max_model_len
+        _check_positive("max_num_batched_tokens", max_batched)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_model_len ({max_model_len}) "
+                "when chunked prefill is disabled")
+
+        model_cfg = ModelConfig(model=path, hf_config=hf_config, dtype=dtype,
+                                max_model_len=max_model_len, seed=self.seed)
+        cache_cfg = CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                                enable_prefix_caching=self.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                    max_num_batched_tokens=max_batched,
+                                    scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
+                                    enable_chunked_prefill=self.enable_chunked_prefill)
+        return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # fp32 on CPU keeps greedy output identical to the transformers reference.
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def available_memory_bytes() -> int:
+    """Memory this process could still use on the host."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil ships with our deps
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_from_budget(config: TreadleConfig) -> int:
+    """How many KV blocks to allocate: explicit count, byte budget, or sized to the machine."""
+    cache, model = config.cache, config.model
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = cache.bytes_per_block(model)
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif config.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        budget = int(free * 0.8)
+    else:
+        # A quarter of free RAM, at most 2 GiB: tens of thousands of tokens for a small model.
+        budget = min(available_memory_bytes() // 4, 2 << 30)
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes; "
+            "raise kv_cache_memory_bytes or num_kv_blocks")
+    return num_blocks
+
+
+__all__ = ["EngineArgs", "TreadleConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
+           "num_blocks_from_budget"]

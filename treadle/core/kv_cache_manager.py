@@ -1,0 +1,117 @@
+"""Per-request block lists on top of the block pool: prefix lookup, allocation, freeing."""
+
+from __future__ import annotations
+
+import logging
+
+from treadle.core.block_pool import BlockPool, KVCacheBlock
+from treadle.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request have been offered to the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_queries = 0   # tokens looked up
+        self.prefix_hits = 0      # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of `request`, in whole blocks, leaving at least one token to compute."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return [], 0
+        # The last token is always recomputed: its logits are what the next sample needs.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        if self.enable_caching:
+            self.prefix_queries += num_queried
+            self.prefix_hits += num_hit
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Could a request of this many tokens ever be held, with every other block free?"""
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_usable_blocks
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        Returns the newly allocated blocks, or None (with nothing changed) when the pool is short.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total = num_computed + num_new_tokens
+        num_required = cdiv(total, self.block_size)
+        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # Hit blocks sitting in the free queue are about to leave it, so they are not allocatable.
+        num_idle_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_idle_hits:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Publish blocks whose tokens are all known; their KV is written this step,
+            # before any attention reads it, so a later request in the same step may share them.
+            num_full = min(total, request.num_tokens) // self.block_size
+            start = self.num_cached_blocks.get(request.request_id, 0)
+            for i in range(start, num_full):
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
+            self.num_cached_blocks[request.request_id] = max(start, num_full)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first, so shared prefixes stay cached the longest."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        if ok:
+            logger.info("prefix cache reset")
+        return ok
+
+    def assert_no_leaks(self) -> None:
+        """Every block is free and no request holds any: the state after all requests end."""
+        assert not self.req_to_blocks, f"requests still hold blocks: {list(self.req_to_blocks)}"
+        assert self.pool.num_free_blocks == self.pool.num_usable_blocks, (
+            f"{self.pool.num_usable_blocks - self.pool.num_free_blocks} blocks leaked")
+        self.pool.check_invariants()

@@ -1,0 +1,314 @@
+"""Continuous-batching scheduler: decides, each step, which tokens of which requests to compute.
+
+There are no separate prefill and decode phases. Each request has `num_tokens` known tokens and
+`num_computed_tokens` of them computed; a step gives each scheduled request a number of new tokens
+to compute, within `max_num_batched_tokens` and `max_num_seqs`. That one rule covers chunked
+prefill, decode, prefix-cache hits and resumption after preemption.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from treadle.config import CacheConfig, SchedulerConfig
+from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.scheduler_output import (
+    CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs)
+from treadle.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = 0
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            # A preempted request keeps its arrival time, so it lands back where it belongs.
+            self._counter += 1
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, self._counter, request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return iter([e[3] for e in sorted(self._heap)] if self.policy == "priority" else list(self._fifo))
+
+
+class Scheduler:
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, max_model_len: int, seed: int = 0) -> None:
+        self.config = sched_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
+                                       cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(sched_config.scheduling_policy)
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()   # to tell the workers next step
+        self._seed_rng = random.Random(seed)
+        self._generator_seeds: dict[str, int] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {request.num_tokens} tokens; it must be shorter than "
+                f"max_model_len ({self.max_model_len}) to leave room for output")
+        if not self.kv_cache.can_fit(request.num_tokens + 1):
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens needs more KV blocks than the cache has "
+                f"({self.kv_cache.pool.num_usable_blocks} blocks of {self.block_size})")
+        seed = request.sampling_params.seed
+        self._generator_seeds[request.request_id] = (
+            seed if seed is not None else self._seed_rng.getrandbits(62))
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
+        """End requests from outside the step loop (abort, stop string found by the detokenizer)."""
+        assert status.is_finished
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self._finished_ids.add(request.request_id)
+        self._generator_seeds.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- the step ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        new_blocks_of: dict[str, list[int]] = {}
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests first, in order; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                blocks = self.kv_cache.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim in scheduled_running:
+                    # It was given tokens earlier this step: take them back.
+                    scheduled_running.remove(victim)
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_blocks_of.pop(victim.request_id, None)
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                continue  # `request` itself was preempted; running[i] is now the next one
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_blocks_of[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step already had to preempt.
+        while (not preempted and len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break  # no chunking: wait for room rather than let a later request skip ahead
+            num_new = min(num_new, budget)
+            blocks = self.kv_cache.allocate_slots(request, num_new, hit_blocks, num_hit)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id, token_ids=list(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
+                block_ids=self.kv_cache.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                generator_seed=self._generator_seeds[r.request_id], eos_token_id=r.eos_token_id)
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData()
+        for r in scheduled_running:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(new_blocks_of[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+
+        finished = self._finished_ids | {r.request_id for r in preempted}
+        self._finished_ids = set()
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished)
+        # Computed counts advance at schedule time: the next schedule() already sees this step's work.
+        for rid, n in num_scheduled.items():
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            assert req.num_computed_tokens <= req.num_tokens
+        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            # Larger value = lower priority; among equals, the latest arrival goes first.
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request, front=True)
+        logger.debug("preempted %s", request.request_id)
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted while the step ran
+            prompt_lps = runner_out.prompt_logprobs.get(rid)
+            if not sampled and prompt_lps is None:
+                continue  # a prefill chunk that is not the last one produces nothing
+            new_ids: list[int] = []
+            for tok in sampled:
+                request.append_output_token_ids([tok])
+                new_ids.append(tok)
+                if self._check_stop(request):
+                    break
+            lps = runner_out.logprobs.get(rid)
+            out = EngineCoreOutput(
+                request_id=rid, new_token_ids=new_ids,
+                new_logprobs=lps[:len(new_ids)] if lps is not None else None,
+                new_prompt_logprobs=prompt_lps,
+                num_cached_tokens=max(request.num_cached_tokens, 0))
+            if request.is_finished:
+                out.finish_reason = request.status.finish_reason
+                out.stop_reason = request.stop_reason
+                self.running.remove(request)
+                self._free(request)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # -- cache control -------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage(), num_preemptions=self.num_preemptions,
+            prefix_queries=self.kv_cache.prefix_queries, prefix_hits=self.kv_cache.prefix_hits)

@@ -1,0 +1,68 @@
+"""Messages between the scheduler and the workers, one pair per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have no slot for: first schedule, or resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]          # prompt + any output already generated
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int      # before this step (prefix hits included)
+    generator_seed: int           # per-request RNG seed; the same sample whatever the batch
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already hold: only what changed."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose slots the workers must drop before this step (finished or preempted).
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled (or prompt) position: ids[0] is the chosen token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int                      # rank of ids[0] among the full vocabulary
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request, the tokens sampled this step; empty for a prefill chunk that is not the last.
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per request: (index of the first prompt token covered, logprobs of the prompt tokens this
+    # chunk predicts). Keyed by position so a chunk recomputed after preemption just overwrites.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> "ModelRunnerOutput":
+        return cls(req_ids=[], sampled_token_ids=[])

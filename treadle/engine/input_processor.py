@@ -1,0 +1,93 @@
+"""Prompts in, engine-core `Request`s out: tokenize, validate, fan out n > 1."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from treadle.config import TreadleConfig
+from treadle.request import Request
+from treadle.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+MAX_LOGPROBS = 20
+
+
+class InputProcessor:
+    def __init__(self, config: TreadleConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model.vocab_size
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(config.model.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id: int | None = eos
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Accepts a str, {"prompt": str}, {"prompt_token_ids": [...]} or a list of token ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError("prompt must be a string")
+            if not text:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(text)
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids contains {t!r}, outside the vocabulary [0, {self.vocab_size})")
+        return text, ids
+
+    def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
+        max_len = self.config.model.max_model_len
+        if num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"prompt is {num_prompt_tokens} tokens; it must be shorter than max_model_len "
+                f"({max_len}) to leave room for output")
+
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      priority: int = 0, cache_salt: str | None = None,
+                      arrival_time: float | None = None) -> list[Request]:
+        """One engine-core request per sample; with n > 1 they share the prompt's cached blocks."""
+        self.validate_params(params, len(prompt_token_ids))
+        room = self.config.model.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        requests = []
+        for i in range(params.n):
+            child = params
+            engine_id = request_id
+            if params.n > 1:
+                engine_id = f"{i}_{request_id}"
+                child = params.clone()
+                child.n = 1
+                if params.seed is not None:
+                    child.seed = params.seed + i
+            req = Request(engine_id, prompt_token_ids, child, self.eos_token_id,
+                          arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                          block_size=self.config.cache.block_size)
+            req.max_tokens = max_tokens
+            requests.append(req)
+        return requests

@@ -1,0 +1,120 @@
+"""LLM: the offline, batch API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from treadle.config import EngineArgs
+from treadle.engine.input_processor import PromptType
+from treadle.engine.llm_engine import LLMEngine
+from treadle.outputs import RequestOutput
+from treadle.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text for batches of prompts: `LLM(model=None, **engine_args)`.
+
+    With no model, the embedded SmolLM2-135M-Instruct is used.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt)
+            # The template already holds the special tokens; encoding must not add more.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        # Validate everything first, so one bad prompt does not leave others half-added.
+        for prompt, params in zip(prompts, params_list):
+            _, ids = self.engine.input_processor.tokenize(prompt)
+            self.engine.input_processor.validate_params(params, len(ids))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                final_only = params.clone()
+                final_only.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, final_only)
+                request_ids.append(rid)
+            results = self._drain(len(request_ids), use_tqdm)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+        return [results[rid] for rid in request_ids]
+
+    def _drain(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start = time.perf_counter()
+        in_tokens = out_tokens = 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                results[out.request_id] = out
+                in_tokens += len(out.prompt_token_ids)
+                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} tok/s, "
+                                    f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)
+                bar.update(1)
+        bar.close()
+        return results

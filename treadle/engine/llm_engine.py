@@ -1,0 +1,67 @@
+"""LLMEngine: a synchronous engine — input processing, the core step loop, output processing."""
+
+from __future__ import annotations
+
+import logging
+
+from treadle.config import EngineArgs, TreadleConfig
+from treadle.engine.core import EngineCore
+from treadle.engine.input_processor import InputProcessor, PromptType
+from treadle.engine.output_processor import OutputProcessor
+from treadle.models.loader import load_tokenizer
+from treadle.outputs import RequestOutput
+from treadle.request import RequestStatus
+from treadle.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: TreadleConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.model)
+        self.core = EngineCore(config)
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_config())
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.input_processor.tokenize(prompt)
+        requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt)
+        added = []
+        try:
+            for r in requests:
+                self.core.add_request(r)
+                added.append(r.request_id)
+        except Exception:
+            self.core.abort_requests(added)
+            raise
+        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in requests])
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.core.step()
+        ready, stopped = self.output_processor.process_outputs(outputs)
+        if stopped:
+            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return ready
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        finals = []
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            final, engine_ids = self.output_processor.abort_request(rid)
+            self.core.abort_requests(engine_ids)
+            if final is not None:
+                finals.append(final)
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()

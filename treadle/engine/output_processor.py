@@ -1,0 +1,178 @@
+"""Turns engine-core outputs into `RequestOutput`s: detokenize, stop strings, logprobs, n > 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.core.scheduler import EngineCoreOutput
+from treadle.core.scheduler_output import TokenLogprobs
+from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.outputs import CompletionOutput, Logprob, RequestOutput
+from treadle.sampling_params import RequestOutputKind, SamplingParams
+
+
+class TokenText:
+    """Decodes single tokens for logprob entries, memoised."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._memo: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._memo.get(token_id)
+        if text is None:
+            text = self._memo[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def to_logprob_dict(entry: TokenLogprobs, token_text: TokenText) -> dict[int, Logprob]:
+    out = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, token_text(entry.token_ids[0]))}
+    for rank, (tid, lp) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:]), start=1):
+        out.setdefault(tid, Logprob(lp, rank, token_text(tid)))
+    return out
+
+
+@dataclass
+class SampleState:
+    """One sequence being generated: a request, or one of the n samples of a request."""
+
+    engine_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    logprobs: list | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0   # for delta outputs
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    """A user request and its samples (one unless n > 1)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)
+        self.requests: dict[str, RequestState] = {}
+        self.sample_of: dict[str, tuple[RequestState, SampleState]] = {}  # engine id -> sample
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, engine_ids: list[str]) -> None:
+        """`engine_ids` names the engine-core request behind each of the n samples."""
+        state = RequestState(request_id, prompt, prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+        for index, engine_id in enumerate(engine_ids):
+            sample = SampleState(engine_id, index, params,
+                                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                                 [] if params.logprobs is not None else None)
+            state.samples.append(sample)
+            self.sample_of[engine_id] = (state, sample)
+        self.requests[request_id] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs to deliver, and engine ids a stop string just finished."""
+        ready: dict[str, RequestOutput] = {}
+        stopped_by_string: list[str] = []
+        for out in outputs:
+            entry = self.sample_of.get(out.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            state, sample = entry
+            state.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                first, entries = out.new_prompt_logprobs
+                for offset, lp in enumerate(entries):
+                    state.prompt_logprobs[first + offset] = to_logprob_dict(lp, self.token_text)
+            if out.new_logprobs and sample.logprobs is not None:
+                sample.logprobs += [to_logprob_dict(lp, self.token_text) for lp in out.new_logprobs]
+            # EOS or a stop token ended it: that token's text is not part of the output.
+            stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated)
+            if stop_string is not None and out.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = "stop", stop_string
+                stopped_by_string.append(out.request_id)
+            elif out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            request_output = self._make_output(state, sample)
+            if request_output is not None:
+                ready[state.request_id] = request_output
+            if sample.finished:
+                self._retire(sample)
+            if state.finished:
+                del self.requests[state.request_id]
+        return list(ready.values()), stopped_by_string
+
+    def abort_request(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """Finish a request as aborted; returns its final output and its unfinished engine ids."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None, []
+        engine_ids = []
+        for sample in state.samples:
+            if not sample.finished:
+                sample.finish_reason = "abort"
+                engine_ids.append(sample.engine_id)
+                self._retire(sample)
+        return self._build(state, delta_for=None), engine_ids
+
+    def _retire(self, sample: SampleState) -> None:
+        self.sample_of.pop(sample.engine_id, None)
+
+    def _make_output(self, state: RequestState, sample: SampleState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            return self._build(state, delta_for=None) if state.finished else None
+        if kind == RequestOutputKind.DELTA:
+            return self._build(state, delta_for=sample)
+        return self._build(state, delta_for=None)
+
+    def _build(self, state: RequestState, delta_for: SampleState | None) -> RequestOutput:
+        completions = []
+        for sample in state.samples if delta_for is None else [delta_for]:
+            finished = sample.finished
+            if delta_for is None:
+                text = sample.detokenizer.get_next_output_text(finished, delta=False)
+                token_ids = list(sample.detokenizer.token_ids)
+                logprobs = sample.logprobs
+            else:
+                text = sample.detokenizer.get_next_output_text(finished, delta=True)
+                token_ids, logprobs = self._take_delta(sample)
+            completions.append(CompletionOutput(
+                index=sample.index, text=text, token_ids=token_ids, logprobs=logprobs,
+                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason))
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids, outputs=completions,
+            finished=state.finished, prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens)
+
+    @staticmethod
+    def _take_delta(sample: SampleState) -> tuple[list[int], list | None]:
+        sent = sample.num_sent_tokens
+        token_ids = list(sample.detokenizer.token_ids[sent:])
+        logprobs = sample.logprobs[sent:] if sample.logprobs is not None else None
+        sample.num_sent_tokens = len(sample.detokenizer.token_ids)
+        return token_ids, logprobs

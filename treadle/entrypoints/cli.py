@@ -1,0 +1,168 @@
+"""The `treadle` command: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from treadle.config import EngineArgs
+
+_ENGINE_HELP = {
+    "dtype": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's own limit)",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
+    "kv_cache_memory_bytes": "KV-cache budget in bytes (default: sized to this machine)",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
+    "scheduling_policy": "fcfs | priority",
+    "seed": "engine seed for requests that bring none",
+    "device": "cpu | cuda (default: cuda when available)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    if with_model:
+        group.add_argument("--model", default=None,
+                           help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    defaults = EngineArgs()
+    for name, text in _ENGINE_HELP.items():
+        default = getattr(defaults, name)
+        kind = str if name in ("dtype", "scheduling_policy", "device") else int
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                           help=f"{text} [default: {default}]")
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="turn prefix caching off")
+    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false", help="turn chunked prefill off")
+
+
+def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
+    names = EngineArgs.field_names()
+    return {k: v for k, v in vars(ns).items() if k in names}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default: 0]")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from treadle.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, n=ns.n, seed=ns.sampling_seed,
+        stop=ns.stop, presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
+        repetition_penalty=ns.repetition_penalty, ignore_eos=ns.ignore_eos)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from treadle import LLM
+
+    params = sampling_params_from(ns)
+    llm = LLM(ns.model, **engine_args_from(ns))
+    if ns.raw:
+        outputs = llm.generate(ns.prompts, params, use_tqdm=not ns.quiet)
+    else:
+        conversations = [[{"role": "user", "content": p}] for p in ns.prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=not ns.quiet)
+    for prompt, out in zip(ns.prompts, outputs):
+        sys.stdout.write(f"### {prompt}\n")
+        for c in out.outputs:
+            sys.stdout.write(f"{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]\n")
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from treadle import LLM
+
+    params = sampling_params_from(ns)
+    llm = LLM(ns.model, **engine_args_from(ns))
+    history: list[dict[str, str]] = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    sys.stdout.write("treadle chat: type a message; /reset clears the conversation, /exit quits.\n")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            sys.stdout.write("\n")
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            del history[int(bool(ns.system)):]
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        sys.stdout.write(reply + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="treadle",
+        description="treadle: LLM inference on a paged KV cache. Runs the embedded "
+                    "SmolLM2-135M-Instruct when no --model is given.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine progress (INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate completions for prompts",
+                         description="Generate a reply for each prompt (through the chat template "
+                                     "unless --raw).")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat REPL")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    from treadle.bench import throughput
+    tp = bench_sub.add_parser("throughput", help="offline throughput on a synthetic workload",
+                              description=throughput.__doc__)
+    throughput.add_cli_args(tp)
+    add_engine_args(tp)
+    tp.set_defaults(func=throughput.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns) or 0
+    except ValueError as e:
+        parser.exit(2, f"treadle: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3) over a flat batch of tokens and a paged KV cache.
+
+Qwen2 is Llama with biases on q/k/v; Qwen3 is Llama with an RMSNorm on each q and k head.
+Numerics follow transformers' implementation op for op (RMSNorm in fp32, RoPE tables in fp32,
+rotate-half), so greedy output in fp32 matches it token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from treadle.attention.torch_backend import AttentionMetadata, TorchAttention
+
+logger = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_parameters(config) -> dict:
+    """RoPE settings from either transformers 5's `rope_parameters` or the older top-level fields."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+    params = rope_parameters(config)
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, D]: broadcast over heads.
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # One fused GEMM for q, k and v.
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names mirror transformers' (`model.layers.N...`), except the fused projections."""
+
+    qk_norm = False
+
+    @staticmethod
+    def biases(config) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.biases(config)
+        self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Flat batch [T] -> final hidden states [T, hidden]."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # -- weights ------------------------------------------------------------------
+    def _fused_target(self, name: str) -> tuple[str, int, int] | None:
+        """Map a transformers q/k/v or gate/up name to (fused param name, row offset, rows)."""
+        attn = self.model.layers[0].self_attn
+        mlp = self.model.layers[0].mlp
+        parts = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, attn.q_size),
+            "self_attn.k_proj": ("self_attn.qkv_proj", attn.q_size, attn.kv_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", attn.q_size + attn.kv_size, attn.kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, mlp.intermediate),
+            "mlp.up_proj": ("mlp.gate_up_proj", mlp.intermediate, mlp.intermediate),
+        }
+        for src, (dst, offset, rows) in parts.items():
+            if f".{src}." in name:
+                return name.replace(src, dst), offset, rows
+        return None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """Copy transformers-named tensors into this model; returns the names consumed.
+
+        With strict=True every parameter must be covered (a full checkpoint); a partial
+        update (RL weight sync) passes strict=False.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        covered: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            if "rotary_emb.inv_freq" in name:
+                continue
+            fused = self._fused_target(name)
+            if fused is not None:
+                dst, offset, rows = fused
+                param = params.get(dst)
+                if param is None:
+                    raise ValueError(f"unexpected weight {name!r}")
+                target = param.data.narrow(0, offset, rows)
+                covered.add(f"{dst}@{offset}")
+            else:
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+                target = param.data
+                covered.add(name)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+            loaded.add(name)
+        if strict:
+            self._check_complete(covered)
+        return loaded
+
+    def _check_complete(self, covered: set[str]) -> None:
+        missing = []
+        for name, param in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                attn = self.model.layers[0].self_attn
+                need = [0, attn.q_size, attn.q_size + attn.kv_size]
+            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
+                need = [0, self.model.layers[0].mlp.intermediate]
+            else:
+                if name not in covered:
+                    missing.append(name)
+                continue
+            missing += [f"{name}@{o}" for o in need if f"{name}@{o}" not in covered]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def biases(config) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

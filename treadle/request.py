@@ -1,0 +1,125 @@
+"""A request as the engine core sees it: token ids, progress counters and status."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import pickle
+import time
+
+from treadle.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], extra_keys: tuple) -> BlockHash:
+    """Content hash of one full block, chained to its parent so equal hashes mean equal prefixes."""
+    return hashlib.sha256(pickle.dumps((parent, token_ids, extra_keys), protocol=5)).digest()
+
+
+class Request:
+    """Engine-core state of one sequence.
+
+    Counters:
+      num_computed_tokens: tokens whose KV is in the cache or is being computed by a step
+        already scheduled. The scheduler advances it when it schedules, not when the step returns.
+      num_tokens: prompt + output tokens known so far (len(all_token_ids)).
+      num_cached_tokens: prefix-cache hit length at the first schedule (-1 before it).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_size: int = 16,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.max_tokens: int = sampling_params.max_tokens or 0  # set by the engine when None
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+
+        self._block_size = block_size
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    # -- sizes -----------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        # Prompt logprobs need logits at every prompt position, so nothing may be skipped.
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    # -- prefix-cache keys -----------------------------------------------------
+    def _update_block_hashes(self) -> None:
+        bs = self._block_size
+        start = len(self.block_hashes)
+        for i in range(start, self.num_tokens // bs):
+            parent = self.block_hashes[i - 1] if i > 0 else None
+            # The salt goes into the first block only; chaining carries it to the rest.
+            extra = (self.cache_salt,) if i == 0 and self.cache_salt else ()
+            self.block_hashes.append(hash_block(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs]), extra))
+

@@ -1,0 +1,158 @@
+"""Runs one scheduled step: updates the slots, flattens the batch, runs the model, samples."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from treadle.attention.torch_backend import build_metadata
+from treadle.config import TreadleConfig
+from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from treadle.models.loader import iter_hf_weights
+from treadle.models.registry import get_model_class
+from treadle.worker.request_state import RequestSlots
+from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: TreadleConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.slots: RequestSlots | None = None
+        self.sampler = Sampler(self.device)
+
+    # -- set-up ------------------------------------------------------------------
+    def load_model(self) -> None:
+        cfg = self.config.model
+        start = time.perf_counter()
+        model_cls = get_model_class(cfg.hf_config)
+        with torch.device(self.device):
+            model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len)
+        model.load_weights(iter_hf_weights(cfg.model))
+        self.model = model.to(dtype=self.dtype).eval()
+        # RoPE tables stay fp32, as in transformers.
+        self.model.model.rotary.float()
+        logger.info("loaded %s (%s) in %.1fs", cfg.model, model_cls.__name__,
+                    time.perf_counter() - start)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.config.model
+        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Left uninitialised (zeroing gigabytes up front costs seconds); each block is zeroed
+        # when first handed out, since masked-out padding must be finite (0 * NaN = NaN).
+        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(cfg.num_layers)]
+        self._block_zeroed = np.zeros(num_blocks, dtype=bool)
+        self._zero_blocks([0])  # the null block pads every block table
+        max_blocks_per_req = -(-cfg.max_model_len // self.block_size)
+        self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
+                                  max_blocks_per_req)
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        fresh = [b for b in block_ids if not self._block_zeroed[b]]
+        if not fresh:
+            return
+        index = torch.tensor(fresh, dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, index, 0)
+        self._block_zeroed[fresh] = True
+
+    # -- the step ------------------------------------------------------------------
+    def _update_slots(self, so: SchedulerOutput) -> None:
+        slots = self.slots
+        for rid in so.finished_req_ids:
+            slots.remove(rid)
+        new_blocks: list[int] = []
+        for new in so.scheduled_new_reqs:
+            slots.add(new)
+            new_blocks += new.block_ids
+        cached = so.scheduled_cached_reqs
+        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                             cached.num_computed_tokens):
+            slot = slots.slot_of[rid]
+            assert slots.num_computed_tokens[slot] == num_computed, (
+                f"{rid}: runner has {slots.num_computed_tokens[slot]} computed, scheduler {num_computed}")
+            slots.append_blocks(slot, blocks)
+            new_blocks += blocks
+        self._zero_blocks(new_blocks)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_slots(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        slots = self.slots
+
+        req_ids = list(so.num_scheduled_tokens)
+        idx = np.array([slots.slot_of[r] for r in req_ids], dtype=np.int64)
+        q_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        ctx = slots.num_computed_tokens[idx]
+        # Decodes first: the attention backend batches them.
+        is_decode = (q_lens == 1) & (ctx > 0)
+        order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+        req_ids = [req_ids[i] for i in order]
+        idx, q_lens, ctx = idx[order], q_lens[order], ctx[order]
+
+        total = int(q_lens.sum())
+        starts = np.cumsum(q_lens) - q_lens
+        positions = np.arange(total) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
+        token_slot = np.repeat(idx, q_lens)
+        input_ids = slots.token_ids[token_slot, positions]
+        meta = build_metadata(q_lens, ctx, positions, slots.block_table[idx], self.block_size, self.device)
+
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device),
+                            torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
+
+        ends = ctx + q_lens
+        assert (ends <= slots.num_tokens[idx]).all()
+        samples = ends == slots.num_tokens[idx]   # the chunk reaches the last known token
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if samples.any():
+            rows = np.flatnonzero(samples)
+            last = torch.from_numpy(starts[rows] + q_lens[rows] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last])
+            sampling_rows = [
+                SamplingRow(slots.params[s], slots.seeds[s], slots.prompt_ids(s), slots.output_ids(s),
+                            slots.eos_token_ids[s])
+                for s in idx[rows]]
+            tokens, token_lps = self.sampler(logits, sampling_rows)
+            for r, tok, lp in zip(rows, tokens, token_lps):
+                slots.append_token(int(idx[r]), tok)
+                sampled[r] = [tok]
+                if lp is not None:
+                    logprobs[req_ids[r]] = [lp]
+        slots.num_computed_tokens[idx] = ends
+
+        prompt_logprobs = self._prompt_logprobs(req_ids, idx, starts, q_lens, ctx, hidden)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, req_ids, idx, starts, q_lens, ctx, hidden
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Logprobs of the prompt tokens this chunk predicts: position p scores token p + 1."""
+        out = {}
+        for i, rid in enumerate(req_ids):
+            slot = int(idx[i])
+            num_top = self.slots.params[slot].prompt_logprobs
+            if num_top is None:
+                continue
+            n_prompt = int(self.slots.num_prompt_tokens[slot])
+            first, stop = int(ctx[i]), min(int(ctx[i] + q_lens[i]), n_prompt - 1)
+            if stop <= first:
+                out[rid] = (first + 1, [])
+                continue
+            rows = torch.arange(int(starts[i]), int(starts[i]) + stop - first, device=self.device)
+            lps = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            targets = self.slots.token_ids[slot, first + 1:stop + 1]
+            out[rid] = (first + 1, [token_logprobs(lps[j], int(t), num_top) for j, t in enumerate(targets)])
+        return out

@@ -1,0 +1,72 @@
+"""Persistent per-request slots in the model runner.
+
+A slot is reused as requests come and go. `add` initialises every field for the new tenant,
+so nothing from the previous one (its tokens, blocks, counters, seed) can leak into it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from treadle.core.scheduler_output import NewRequestData
+from treadle.sampling_params import SamplingParams
+
+
+class RequestSlots:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.seeds = [0] * max_num_reqs
+        self.eos_token_ids: list[int | None] = [None] * max_num_reqs
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(max_num_reqs - 1, -1, -1))
+
+    def add(self, new: NewRequestData) -> int:
+        assert new.req_id not in self.slot_of, f"{new.req_id} already has a slot"
+        slot = self._free.pop()
+        n = len(new.token_ids)
+        self.token_ids[slot, :n] = new.token_ids
+        self.token_ids[slot, n:] = 0
+        self.num_tokens[slot] = n
+        self.num_prompt_tokens[slot] = new.num_prompt_tokens
+        self.num_computed_tokens[slot] = new.num_computed_tokens
+        self.block_table[slot] = 0
+        self.num_blocks[slot] = 0
+        self.append_blocks(slot, new.block_ids)
+        self.params[slot] = new.sampling_params
+        self.seeds[slot] = new.generator_seed
+        self.eos_token_ids[slot] = new.eos_token_id
+        self.req_ids[slot] = new.req_id
+        self.slot_of[new.req_id] = slot
+        return slot
+
+    def remove(self, req_id: str) -> None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is None:
+            return  # finished before the workers ever saw it
+        self.req_ids[slot] = None
+        self.params[slot] = None
+        self._free.append(slot)
+
+    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[slot])
+        self.block_table[slot, start:start + len(block_ids)] = block_ids
+        self.num_blocks[slot] = start + len(block_ids)
+
+    def append_token(self, slot: int, token_id: int) -> None:
+        n = int(self.num_tokens[slot])
+        self.token_ids[slot, n] = token_id
+        self.num_tokens[slot] = n + 1
+
+    def prompt_ids(self, slot: int) -> np.ndarray:
+        return self.token_ids[slot, :self.num_prompt_tokens[slot]]
+
+    def output_ids(self, slot: int) -> np.ndarray:
+        return self.token_ids[slot, self.num_prompt_tokens[slot]:self.num_tokens[slot]]

@@ -1,0 +1,32 @@
+"""A worker owns one device: the model, its slice of the KV cache and the model runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from treadle.config import TreadleConfig, num_blocks_from_budget
+from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: TreadleConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.model.seed)
+        self.runner = ModelRunner(config)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return num_blocks_from_budget(self.config)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

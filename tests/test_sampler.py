@@ -1,0 +1,87 @@
+"""Sampler rules on small hand-made logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.sampling_params import SamplingParams
+from treadle.worker.sampler import Sampler, SamplingRow
+
+V = 8
+
+
+def row(prompt=(), output=(), eos=None, seed=0, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), seed, np.array(prompt, dtype=np.int64),
+                       np.array(output, dtype=np.int64), eos)
+
+
+def sample(logits, *rows):
+    tokens, lps = Sampler(torch.device("cpu"))(torch.tensor(logits, dtype=torch.float32), list(rows))
+    return tokens, lps
+
+
+def test_greedy_takes_the_argmax():
+    tokens, _ = sample([[0, 1, 5, 2, 0, 0, 0, 0], [9, 1, 0, 0, 0, 0, 0, 0]],
+                       row(temperature=0), row(temperature=0))
+    assert tokens == [2, 0]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    logits = [[0, 0, 9, 8, 1, 0, 0, 0]]
+    assert sample(logits, row(temperature=0, eos=2, min_tokens=2, stop_token_ids=[3], output=[5]))[0] == [4]
+    assert sample(logits, row(temperature=0, eos=2, min_tokens=2, output=[5, 5]))[0] == [2]
+
+
+def test_penalties_follow_the_openai_and_ctrl_rules():
+    base = [1.0, -1.0, 2.0, 0.5, 0, 0, 0, 0]
+    s = Sampler(torch.device("cpu"))
+    logits = torch.tensor([base])
+    s._apply_penalties(logits[0], row(prompt=[0], output=[1, 1, 2], repetition_penalty=2.0))
+    # Seen tokens (prompt 0, output 1 and 2): positive logits halve, negative ones double.
+    assert logits[0].tolist() == [0.5, -2.0, 1.0, 0.5, 0, 0, 0, 0]
+    logits = torch.tensor([base])
+    s._apply_penalties(logits[0], row(prompt=[0], output=[1, 1, 2], frequency_penalty=0.5,
+                                      presence_penalty=0.25))
+    # Output counts only: token 1 twice, token 2 once; the prompt is not penalised.
+    assert logits[0].tolist() == pytest.approx([1.0, -1.0 - 1.0 - 0.25, 2.0 - 0.5 - 0.25, 0.5, 0, 0, 0, 0])
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = [[4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]]
+    for seed in range(30):
+        assert sample(logits, row(temperature=1.0, top_k=2, seed=seed))[0][0] in (0, 1)
+        # p(0) ~ 0.64, p(1) ~ 0.24: top_p 0.7 keeps exactly those two.
+        assert sample(logits, row(temperature=1.0, top_p=0.7, seed=seed))[0][0] in (0, 1)
+        # min_p 0.3 keeps tokens with p >= 0.3 * p_max: tokens 0 and 1 (0.24 / 0.64 = 0.37).
+        assert sample(logits, row(temperature=1.0, min_p=0.3, seed=seed))[0][0] in (0, 1)
+
+
+def test_sampling_matches_the_softmax_distribution():
+    logits = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 0.0, -2.0, 1.5])
+    counts = np.zeros(V)
+    n = 4000
+    tokens, _ = Sampler(torch.device("cpu"))(logits.repeat(n, 1), [row(temperature=1.0, seed=s) for s in range(n)])
+    for t in tokens:
+        counts[t] += 1
+    expected = torch.softmax(logits, -1).numpy() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 24.3, (counts, expected)   # chi-square, 7 dof, p = 0.001
+
+
+def test_seeded_draw_depends_only_on_seed_and_position():
+    logits = [[0.1] * V]
+    a = [sample(logits, row(temperature=1.0, seed=5, output=[1] * k))[0][0] for k in range(20)]
+    b = [sample(logits * 2, row(temperature=1.0, seed=5, output=[1] * k),
+                row(temperature=1.0, seed=9))[0][0] for k in range(20)]
+    assert a == b
+    assert len(set(a)) > 1
+
+
+def test_logprobs_report_rank_and_top_tokens():
+    logits = [[3.0, 1.0, 2.0, 0.0, 0, 0, 0, 0]]
+    _, lps = sample(logits, row(temperature=0, logprobs=2))
+    ref = torch.log_softmax(torch.tensor(logits[0]), -1)
+    assert lps[0].token_ids == [0, 0, 2] and lps[0].rank == 1
+    assert lps[0].logprobs == pytest.approx([ref[0].item(), ref[0].item(), ref[2].item()])

@@ -5,17 +5,18 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from treadle.models.loader import iter_hf_weights, load_hf_config
+from treadle.models.loader import iter_hf_weights, load_hf_config, prepare_model
 
 
 class HFReference:
     """Greedy decoding with transformers' own forward pass and KV cache, one prompt at a time.
 
     The weights come through treadle's loader (test_loader proves they equal transformers' own
-    GGUF load), which skips transformers' slower GGUF path for every test session.
+    GGUF load), from the converted folder, which skips parsing the GGUF in every test session.
     """
 
     def __init__(self, path: str) -> None:
+        path = prepare_model(path)
         config = load_hf_config(path)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = dict(iter_hf_weights(path))

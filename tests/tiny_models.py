@@ -1,7 +1,15 @@
 """Tiny random Llama / Qwen2 / Qwen3 checkpoints, saved as real HF folders for tests.
 
-The default init (std 0.02) gives nearly flat logits, where greedy argmax flips on float noise;
-a larger init gives clear margins, so token-exact comparisons test the engine, not rounding.
+Each folder (config.json, model.safetensors, the SmolLM2 tokenizer and chat template) loads
+like any local model. Shapes: hidden 64, 3 layers, 4 query heads sharing 2 KV heads (GQA),
+head_dim 16, MLP 128, vocab 49152 (the tokenizer's), 1024 positions.
+
+Random weights at the default init (std 0.02) give nearly flat logits, and greedy argmax
+then flips on float noise. So the init is larger, and the head's rows get log-normal norms:
+a few tokens then win clearly at each step (the smallest top-1/top-2 logit gap over 5x64
+greedy steps grows 30-60x, to ~1e-2 logit std and more), while the hidden state still moves
+enough that greedy text does not settle on one token. Norm weights and biases are
+randomised too, so a loader or model that drops them cannot pass unnoticed.
 """
 
 from __future__ import annotations
@@ -13,27 +21,87 @@ import torch
 
 from treadle.models.loader import default_model_path, load_tokenizer
 
+ARCHS = ("llama", "qwen2", "qwen3")
+
+# arch -> (config class, model class, arch-specific config). Different rope_theta per arch,
+# so a model that ignores the config's value fails on at least two of them.
 _ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 10000.0, "tie_word_embeddings": True}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 500000.0}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 10000.0}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0}),  # q/k/v bias
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 500000.0}),  # q/k RMSNorm
 }
+# llama is tied unless asked otherwise: the shared fixtures then cover both head layouts.
+_TIED_BY_DEFAULT = {"llama"}
+
+# Tuned on greedy 64-token runs from 5 prompts (see the module docstring). A tied head is
+# also the input embedding, so it takes a milder spread: wider norms make the model echo
+# its own input token forever.
+_INIT_STD = {False: 0.2, True: 0.3}
+_HEAD_ROW_LOG_STD = {False: 1.0, True: 0.5}
 
 
-def make_tiny_checkpoint(arch: str, path: str | os.PathLike, *, seed: int = 0) -> str:
+def tiny_config(arch: str, tokenizer, *, tie_word_embeddings: bool):
+    """The transformers config for one tiny architecture, ids taken from the tokenizer."""
     import transformers
 
-    config_name, model_name, extra = _ARCHS[arch]
-    tokenizer = load_tokenizer(default_model_path())
-    config = getattr(transformers, config_name)(
+    config_name, _, extra = _ARCHS[arch]
+    return getattr(transformers, config_name)(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
+        rms_norm_eps=1e-6, initializer_range=_INIT_STD[tie_word_embeddings],
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
+
+
+@torch.no_grad()
+def _sharpen(model: torch.nn.Module, init_std: float, head_row_log_std: float) -> None:
+    """Randomise norms and biases (init leaves them 1 and 0) and spread the head's row norms."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5)
+        elif name.endswith(".bias"):
+            param.normal_(0.0, init_std)
+    head = model.get_output_embeddings().weight  # the embedding itself when tied
+    head.mul_(torch.exp(head_row_log_std * torch.randn(head.shape[0], 1)))
+
+
+def make_tiny_checkpoint(arch: str, path: str | os.PathLike, *,
+                         tie_word_embeddings: bool | None = None, seed: int = 0) -> str:
+    """Build a random `arch` model and save it with its tokenizer as an HF folder at `path`.
+
+    tie_word_embeddings=None takes the arch's default (llama tied, qwen2/qwen3 not).
+    """
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+    tied = arch in _TIED_BY_DEFAULT if tie_word_embeddings is None else tie_word_embeddings
+    tokenizer = load_tokenizer(default_model_path())
+    config = tiny_config(arch, tokenizer, tie_word_embeddings=tied)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
+    model = getattr(transformers, _ARCHS[arch][1])(config).eval()
+    _sharpen(model, _INIT_STD[tied], _HEAD_ROW_LOG_STD[tied])
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+_BUILT: dict[tuple[str, bool | None, int], str] = {}
+
+
+def tiny_checkpoint_dir(arch: str, tmp_path_factory, *,
+                        tie_word_embeddings: bool | None = None, seed: int = 0) -> str:
+    """make_tiny_checkpoint, built once per test session per (arch, tying, seed).
+
+    Call it from a session- or module-scoped fixture with pytest's `tmp_path_factory`.
+    """
+    key = (arch, tie_word_embeddings, seed)
+    path = _BUILT.get(key)
+    if path is None or not os.path.isdir(path):  # a new session's temp root replaces the old
+        tie = {None: "default", True: "tied", False: "untied"}[tie_word_embeddings]
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}-{tie}-{seed}", numbered=True)
+        path = _BUILT[key] = make_tiny_checkpoint(
+            arch, folder, tie_word_embeddings=tie_word_embeddings, seed=seed)
+    return path

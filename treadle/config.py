@@ -21,7 +21,7 @@ _DTYPES = {
 
 @dataclass
 class ModelConfig:
-    model: str                 # resolved local path: a HF folder or a .gguf file
+    model: str                 # a local HF folder (a GGUF is converted into one, once)
     hf_config: Any             # transformers.PretrainedConfig
     dtype: torch.dtype
     max_model_len: int
@@ -101,10 +101,10 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_config(self) -> TreadleConfig:
-        from treadle.models.loader import load_hf_config, resolve_model
+        from treadle.models.loader import load_hf_config, prepare_model
 
         device = self.device or _default_device()
-        path = resolve_model(self.model)
+        path = prepare_model(self.model)
         hf_config = load_hf_config(path)
         dtype = _resolve_dtype(self.dtype, device)
 

@@ -76,7 +76,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from treadle import LLM
 
     params = sampling_params_from(ns)
-    llm = LLM(ns.model, **engine_args_from(ns))
+    llm = LLM(**engine_args_from(ns))
     if ns.raw:
         outputs = llm.generate(ns.prompts, params, use_tqdm=not ns.quiet)
     else:
@@ -94,7 +94,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     from treadle import LLM
 
     params = sampling_params_from(ns)
-    llm = LLM(ns.model, **engine_args_from(ns))
+    llm = LLM(**engine_args_from(ns))
     history: list[dict[str, str]] = []
     if ns.system:
         history.append({"role": "system", "content": ns.system})

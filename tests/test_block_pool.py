@@ -132,3 +132,12 @@ def test_allocation_within_capacity(num):
     assert len(pool.get_new_blocks(num)) == num
     with pytest.raises(ValueError):
         pool.get_new_blocks(6 - num)
+
+
+def test_usage_counts_cached_but_free_blocks_as_free():
+    kv = KVCacheManager(num_blocks=5, block_size=BS)  # 4 usable
+    r1 = req("a", list(range(8)))
+    kv.allocate_slots(r1, 8)
+    assert kv.pool.usage() == 0.5
+    kv.free(r1)
+    assert kv.pool.hash_to_block and kv.pool.usage() == 0.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -40,4 +40,3 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)

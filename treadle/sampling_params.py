@@ -1,25 +1,48 @@
-"""Sampling parameters, with vLLM's names and meanings, validated on construction."""
+"""Sampling parameters, with vLLM's names and meanings, normalised and validated on construction.
+
+Every rejected value raises ValueError with a message that names the field, the allowed range
+and the value given, e.g. "temperature must be >= 0, got -1".
+"""
 
 from __future__ import annotations
 
 import copy
 import enum
 import math
+import numbers
 from dataclasses import dataclass
+from typing import Any, Callable
+
+# Below this temperature sampling is greedy (argmax), as in vLLM.
+_GREEDY_EPS = 1e-5
 
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"   # every output holds everything so far
-    DELTA = "delta"             # every output holds only what is new
-    FINAL_ONLY = "final_only"   # one output, at the end
+    DELTA = "delta"             # every output holds only what is new since the last one
+    FINAL_ONLY = "final_only"   # one output, when the request finishes
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
 
 
-def _is_number(x) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+def _is_int(x: Any) -> bool:
+    # bool is an int subclass, but True as a count is always a mistake. numpy ints are welcome.
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _describe(x: Any) -> str:
+    """The value as a message shows it; the type too when the type is what is wrong."""
+    if isinstance(x, (bool, str, list, tuple, dict, set)) or not isinstance(x, numbers.Number):
+        return f"{x!r} ({type(x).__name__})"
+    return repr(x)
 
 
 @dataclass
@@ -27,7 +50,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0          # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0                    # 0 (or -1) means off
+    top_k: int = 0                    # 0 (or -1, normalised to 0) means off
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -35,8 +58,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int | None = 16       # None: until max_model_len
     min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None          # normalised to a list
+    stop_token_ids: list[int] | None = None      # normalised to a list
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None       # top-N per generated token, plus the sampled one
@@ -46,62 +69,115 @@ class SamplingParams:
     output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        self._normalise()
-        self._validate()
+        self._normalise_and_validate()
 
-    def _normalise(self) -> None:
-        if self.top_k == -1:
+    # -- validation ----------------------------------------------------------------------------
+    def _normalise_and_validate(self) -> None:
+        self.n = self._int("n", self.n, minimum=1)
+        self.temperature = self._real("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        self.top_p = self._real("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if isinstance(self.output_kind, str):
-            try:
-                self.output_kind = RequestOutputKind(self.output_kind)
-            except ValueError:
-                raise ValueError("output_kind must be one of cumulative, delta, final_only, "
-                                 f"got {self.output_kind!r}") from None
-
-    def _validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
-
-        need(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        need(_is_number(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature!r}")
-        need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(_is_int(self.top_k) and self.top_k >= 0,
-             f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        self.top_k = self._int("top_k", self.top_k, minimum=0,
+                               rule="-1 or 0 (disabled) or a positive integer")
+        self.min_p = self._real("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            need(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-             f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
-        need(_is_int(self.min_tokens) and self.min_tokens >= 0,
-             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        need(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+            setattr(self, name, self._real(name, getattr(self, name), "in [-2, 2]",
+                                           lambda v: -2 <= v <= 2))
+        self.repetition_penalty = self._real("repetition_penalty", self.repetition_penalty, "> 0",
+                                             lambda v: v > 0)
+        if self.max_tokens is not None:
+            self.max_tokens = self._int("max_tokens", self.max_tokens, minimum=1,
+                                        rule="an integer >= 1 or None")
+        self.min_tokens = self._int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        if self.seed is not None:
+            self.seed = self._int("seed", self.seed, rule="an integer or None")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            need(value is None or (_is_int(value) and value >= 0),
-                 f"{name} must be an integer >= 0 (or None), got {value!r}")
-        for s in self.stop:
-            need(isinstance(s, str) and s != "", f"stop must hold non-empty strings, got {s!r}")
-        for t in self.stop_token_ids:
-            need(_is_int(t) and t >= 0, f"stop_token_ids must hold integers >= 0, got {t!r}")
+            if getattr(self, name) is not None:
+                setattr(self, name, self._int(name, getattr(self, name), minimum=0,
+                                              rule="an integer >= 0 or None"))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {_describe(getattr(self, name))}")
+        self.stop = self._stop_strings(self.stop)
+        self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
+        self.output_kind = self._output_kind(self.output_kind)
 
+    @staticmethod
+    def _int(name: str, value: Any, minimum: int | None = None, rule: str | None = None) -> int:
+        rule = rule or (f"an integer >= {minimum}" if minimum is not None else "an integer")
+        if not _is_int(value):  # a float here is a type error, so name the type
+            raise ValueError(f"{name} must be {rule}, got {value!r} ({type(value).__name__})")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
+        return int(value)
+
+    @staticmethod
+    def _real(name: str, value: Any, rule: str, ok: Callable[[float], bool]) -> float:
+        if not _is_real(value) or not ok(value):
+            raise ValueError(f"{name} must be {rule}, got {_describe(value)}")
+        # NaN fails every comparison, but inf can pass one; neither is ever meant.
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite and {rule}, got {value!r}")
+        return float(value)
+
+    @staticmethod
+    def _stop_strings(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        elif not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string, a list of strings or None, got {_describe(stop)}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {_describe(s)}")
+        return list(stop)
+
+    @staticmethod
+    def _stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0 or None, got {_describe(ids)}")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must hold integers >= 0, got {_describe(t)}")
+        return [int(t) for t in ids]
+
+    @staticmethod
+    def _output_kind(kind: Any) -> RequestOutputKind:
+        if isinstance(kind, RequestOutputKind):
+            return kind
+        allowed = ", ".join(k.value for k in RequestOutputKind)
+        if isinstance(kind, str):
+            try:
+                return RequestOutputKind(kind.lower())
+            except ValueError:
+                pass
+        raise ValueError(f"output_kind must be a RequestOutputKind or one of {allowed}, "
+                         f"got {_describe(kind)}")
+
+    # -- derived -------------------------------------------------------------------------------
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < _GREEDY_EPS
 
-    def clone(self) -> "SamplingParams":
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 without any)."""
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so changing the clone's lists never changes this one."""
         return copy.deepcopy(self)

@@ -1,1 +1,1 @@
-"""attention"""
+"""Attention backends over the paged KV cache."""

@@ -1,1 +1,1 @@
-"""bench"""
+"""Benchmarks behind `treadle bench`."""

@@ -1,1 +1,1 @@
-"""core"""
+"""Scheduling and KV-cache bookkeeping: scheduler, KV cache manager, block pool."""

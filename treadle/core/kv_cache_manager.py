@@ -29,9 +29,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def usage(self) -> float:
-        return self.pool.usage()
-
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of `request`, in whole blocks, leaving at least one token to compute."""
         if not self.enable_caching or request.skip_reading_prefix_cache:

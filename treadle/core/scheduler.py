@@ -36,16 +36,6 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-
-
 class WaitingQueue:
     """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
 
@@ -306,9 +296,3 @@ class Scheduler:
     # -- cache control -------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
-
-    def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv_cache.usage(), num_preemptions=self.num_preemptions,
-            prefix_queries=self.kv_cache.prefix_queries, prefix_hits=self.kv_cache.prefix_hits)

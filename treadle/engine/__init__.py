@@ -1,1 +1,1 @@
-"""engine"""
+"""The engine: the core step loop, the offline LLM API, input and output processing."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from treadle.config import TreadleConfig
-from treadle.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.request import Request, RequestStatus
 
@@ -55,9 +55,6 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
-
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,88 +1,159 @@
 """Incremental detokenization with stop strings.
 
-Text is decoded over a small window of ids (the prefix/read-offset method): new text is only
-emitted once it no longer ends in U+FFFD, so a character split across tokens comes out whole,
-and the window starts a few tokens back so a leading space decodes as it would in context.
+Text is decoded over a small window of ids (the prefix/read-offset method): `_prefix_offset`
+is where the window starts, `_read_offset` where the text already emitted ends. Each new token
+decodes the window twice, without and with the unread ids, and the difference is the new text.
+It is only emitted once it no longer ends in U+FFFD, so a character whose bytes are split over
+several tokens comes out whole. The first window starts with a few prompt tokens, so that
+tokenizers whose decoder strips a leading space at the start (SentencePiece) decode the first
+output token as they would in context.
+
+The concatenated text equals `tokenizer.decode(output_ids, skip_special_tokens=...,
+clean_up_tokenization_spaces=False)` for byte-level BPE tokenizers, including text left pending
+at the end (a last token that is half a character), which is flushed when the request finishes.
 """
 
 from __future__ import annotations
 
+import logging
+
 from treadle.sampling_params import SamplingParams
 
-_PROMPT_CONTEXT = 5   # prompt tokens kept in the first window
+logger = logging.getLogger(__name__)
+
+_PROMPT_CONTEXT = 5   # prompt tokens that seed the first window
 _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
+    """Detokenizes one sample's output ids as they arrive and finds its stop strings.
+
+    Call `update` with each step's new ids; after it returns a stop string the sample is over
+    and `update` must not be called again (it raises RuntimeError). `get_next_output_text`
+    gives the text a client may see now.
+    """
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.params = params
-        self.token_ids: list[int] = []          # output ids only
-        self._window: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.token_ids: list[int] = []      # output ids only, stop/EOS token included
+        self._stop = list(params.stop or [])
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._window = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._window)
         self._text = ""
-        self._sent = 0                          # chars already returned as deltas
-        self._max_stop = max((len(s) for s in params.stop), default=0)
+        self._num_sent = 0                  # chars already returned by delta calls
+        self._stop_matched: str | None = None
+        self._flushed = False
+
+    def _prompt_context(self, prompt_token_ids: list[int]) -> list[int]:
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        # A prompt that ends half-way through a character would swallow the bytes that complete
+        # it into text we never emit; start from nothing instead (matches decoding the output).
+        if context and self._decode(context).endswith(_REPLACEMENT):
+            return []
+        return context
 
     @property
     def output_text(self) -> str:
+        """All text so far (after any stop-string truncation), not counting pending text."""
         return self._text
 
+    @property
+    def stop_string_matched(self) -> str | None:
+        return self._stop_matched
+
     def _decode(self, ids: list[int]) -> str:
+        # No clean-up of spaces: it rewrites text across token boundaries (" n't" -> "n't"), so
+        # a window's text would stop being a prefix of the next window's.
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.params.skip_special_tokens,
-            spaces_between_special_tokens=self.params.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False)
 
-    def _append(self, token_id: int) -> None:
-        self._window.append(token_id)
+    def _new_text(self, force: bool) -> str:
+        """Text of the unread ids; '' while it ends in a half character, unless `force`."""
+        if self._read_offset == len(self._window):
+            return ""
         prefix = self._decode(self._window[self._prefix_offset:self._read_offset])
         full = self._decode(self._window[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self._text += full[len(prefix):]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._window)
+        if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not force):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._window)
+        return full[len(prefix):]
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
-        """Add tokens; returns the stop string that matched, if any (then the request must end).
+        """Add one step's ids; returns the stop string that matched, if any.
 
-        `stop_terminated`: the last new token is EOS or a stop token, whose text is left out
-        unless include_stop_str_in_output. Do not call again after a stop string matched.
+        `stop_terminated`: the last new id is EOS or a stop token id; its text is left out of
+        the output unless include_stop_str_in_output. After a stop string matched the sample
+        must end: calling update again raises RuntimeError.
         """
+        if self._stop_matched is not None:
+            raise RuntimeError(f"update() after stop string {self._stop_matched!r} ended the output")
         self.token_ids.extend(new_token_ids)
         to_decode = new_token_ids
         if stop_terminated and new_token_ids and not self.params.include_stop_str_in_output:
             to_decode = new_token_ids[:-1]
-        before = len(self._text)
-        for t in to_decode:
-            self._append(t)
-        if not self.params.stop or len(self._text) == before:
-            return None
-        return self._check_stop_strings(before)
+        start = len(self._text)
+        for token_id in to_decode:
+            self._window.append(token_id)
+            self._text += self._new_text(force=False)
+        return self._check_stop_strings(start)
 
-    def _check_stop_strings(self, new_from: int) -> str | None:
-        # A stop string may begin up to max_stop - 1 chars before the new text.
-        search_from = max(0, new_from - self._max_stop + 1)
+    def _check_stop_strings(self, start: int) -> str | None:
+        """Searches text from `start` on, plus the tail before it a stop string could span."""
+        if not self._stop or len(self._text) == start:
+            return None
+        # As in vLLM, stop strings only count once min_tokens tokens have been generated.
+        if len(self.token_ids) <= self.params.min_tokens:
+            return None
+        search_from = max(0, start - self._max_stop_len + 1)
         best: tuple[int, str] | None = None
-        for s in self.params.stop:
+        for s in self._stop:
             pos = self._text.find(s, search_from)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is None:
             return None
         pos, s = best
-        self._text = self._text[:pos + len(s)] if self.params.include_stop_str_in_output else self._text[:pos]
+        end = pos + len(s) if self.params.include_stop_str_in_output else pos
+        self._text = self._text[:end]
+        self._stop_matched = s
         return s
 
+    def _flush(self) -> None:
+        """At the end, emit text still held for a half character (as U+FFFD, like decode)."""
+        if self._flushed:
+            return
+        self._flushed = True
+        if self._stop_matched is not None:
+            return
+        start = len(self._text)
+        self._text += self._new_text(force=True)
+        # The request is already ending, so a match here can only trim the text.
+        if self._check_stop_strings(start) is not None:
+            logger.debug("stop string %r found in the text flushed at the end", self._stop_matched)
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
-        """Text to show now; while running, the last max_stop - 1 chars are held back, since
-        they might be the start of a stop string that will be cut."""
+        """The text to show now: all of it, or with `delta` only what no delta call returned.
+
+        While running with stop strings that are cut from the output, the last
+        max_stop_len - 1 chars are held back: they might begin a stop string that is later
+        cut, and a client must never see text that disappears.
+        """
+        if finished:
+            self._flush()
         end = len(self._text)
-        if not finished and self._max_stop and not self.params.include_stop_str_in_output:
-            end = max(0, end - (self._max_stop - 1))
+        if not finished and self._max_stop_len and not self.params.include_stop_str_in_output:
+            end = max(0, end - (self._max_stop_len - 1))
         if not delta:
             return self._text[:end]
-        end = max(end, self._sent)
-        chunk = self._text[self._sent:end]
-        self._sent = end
+        # A cut never goes below what was sent (a match must end in unsearched text), so
+        # max() only guards against an end shrunk by the hold-back.
+        end = max(end, self._num_sent)
+        chunk = self._text[self._num_sent:end]
+        self._num_sent = end
         return chunk

@@ -82,13 +82,16 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
-        # Validate everything first, so one bad prompt does not leave others half-added.
+        # Tokenize and validate everything first, so one bad prompt adds none of the others.
+        processor = self.engine.input_processor
+        tokenized = []
         for prompt, params in zip(prompts, params_list):
-            _, ids = self.engine.input_processor.tokenize(prompt)
-            self.engine.input_processor.validate_params(params, len(ids))
+            text, ids = processor.tokenize(prompt)
+            processor.validate_params(params, len(ids))
+            tokenized.append({"prompt": text, "prompt_token_ids": ids})
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params in zip(tokenized, params_list):
                 final_only = params.clone()
                 final_only.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._ids))

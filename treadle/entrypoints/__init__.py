@@ -1,1 +1,1 @@
-"""entrypoints"""
+"""Command-line entry points."""

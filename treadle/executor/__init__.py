@@ -1,1 +1,1 @@
-"""executor"""
+"""Executors: how workers are run (one in this process, for now)."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.worker import Worker
@@ -18,9 +16,6 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
-
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
         pass

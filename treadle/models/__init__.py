@@ -1,1 +1,1 @@
-"""models"""
+"""Model code, the architecture registry, and the loader."""

@@ -1,1 +1,1 @@
-"""worker"""
+"""Workers: the model runner, persistent request slots, the sampler."""

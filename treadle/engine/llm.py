@@ -41,8 +41,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order."""
+        """Run prompts to completion; outputs come back in input order.
+
+        A prompt dict may carry a "cache_salt": only prompts with the same salt share cached
+        prefixes. `priority` (lower runs first) matters with scheduling_policy="priority".
+        """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -55,7 +60,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        return self._run(prompts, params_list, priorities, use_tqdm)
 
     def chat(
         self,
@@ -81,21 +89,24 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         # Tokenize and validate everything first, so one bad prompt adds none of the others.
         processor = self.engine.input_processor
         tokenized = []
         for prompt, params in zip(prompts, params_list):
             text, ids = processor.tokenize(prompt)
             processor.validate_params(params, len(ids))
-            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+            tokenized.append(({"prompt": text, "prompt_token_ids": ids}, salt))
         request_ids = []
         try:
-            for prompt, params in zip(tokenized, params_list):
+            for (prompt, salt), params, prio in zip(tokenized, params_list, priorities):
                 final_only = params.clone()
                 final_only.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, final_only)
+                self.engine.add_request(rid, prompt, final_only, priority=prio, cache_salt=salt)
                 request_ids.append(rid)
             results = self._drain(len(request_ids), use_tqdm)
         except BaseException:

@@ -64,6 +64,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while step N runs (output in flight is counted in tokens per request).
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -93,6 +95,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool = False
     seed: int = 0
     device: str | None = None
 
@@ -142,7 +145,8 @@ class EngineArgs:
         sched_cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                     max_num_batched_tokens=max_batched,
                                     scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
-                                    enable_chunked_prefill=self.enable_chunked_prefill)
+                                    enable_chunked_prefill=self.enable_chunked_prefill,
+                                    async_scheduling=bool(self.async_scheduling))
         return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -40,3 +41,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    weight_version: Any = None        # the engine's weights when this output was produced

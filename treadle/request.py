@@ -48,9 +48,16 @@ class Request:
     """Engine-core state of one sequence.
 
     Counters:
-      num_computed_tokens: tokens whose KV is in the cache or is being computed by a step
-        already scheduled. The scheduler advances it when it schedules, not when the step returns.
       num_tokens: prompt + output tokens known so far (len(all_token_ids)).
+      num_computed_tokens: tokens whose KV is in the cache or is being computed by a step
+        already scheduled, draft tokens included. The scheduler advances it when it schedules,
+        not when the step returns, and takes back rejected drafts when the step returns.
+      num_output_placeholders: output tokens that scheduled steps may still deliver (1 + drafts
+        per sampling step). Never a flag: async scheduling keeps up to two steps in flight.
+      num_stale_output_tokens: in-flight output from before a preemption or reset; exactly
+        this many arriving tokens are dropped. Zero whenever nothing was in flight.
+      num_in_flight_drafts: draft tokens among the placeholders; the request is not scheduled
+        again until they are verified, since the next position depends on how many survive.
       num_cached_tokens: prefix-cache hit length at the first schedule (-1 before it).
     """
 
@@ -79,6 +86,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_stale_output_tokens = 0
+        self.num_in_flight_drafts = 0
+        self.spec_token_ids: list[int] = []   # drafts proposed for the next step
         self.num_cached_tokens = -1
         self.num_preemptions = 0
 

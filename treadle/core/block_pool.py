@@ -133,9 +133,11 @@ class BlockPool:
             del self.hash_to_block[block.block_hash]
             block.block_hash = None
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix. Refused (False) while any block is held by a request."""
-        if self.num_free_blocks != self.num_usable_blocks:
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forget every cached prefix. Refused (False) while any block is held by a request,
+        unless forced: then held blocks stop being shareable too (their KV is stale after a
+        weight update) while their holders keep using them."""
+        if not force and self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.hash_to_block.values():
             block.block_hash = None

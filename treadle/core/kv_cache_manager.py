@@ -100,8 +100,8 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
-    def reset_prefix_cache(self) -> bool:
-        ok = self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        ok = self.pool.reset_prefix_cache(force)
         if ok:
             logger.info("prefix cache reset")
         return ok

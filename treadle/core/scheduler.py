@@ -4,6 +4,11 @@ There are no separate prefill and decode phases. Each request has `num_tokens` k
 `num_computed_tokens` of them computed; a step gives each scheduled request a number of new tokens
 to compute, within `max_num_batched_tokens` and `max_num_seqs`. That one rule covers chunked
 prefill, decode, prefix-cache hits and resumption after preemption.
+
+With async scheduling the next step is scheduled before the previous one returns. Output still
+in flight is counted in tokens on each request (`num_output_placeholders`), so a request whose
+next token is not back yet still gets its decode scheduled, no step can only overshoot
+`max_tokens`, and a preemption or reset drops exactly the stale tokens that were in flight.
 """
 
 from __future__ import annotations
@@ -142,12 +147,13 @@ class Scheduler:
         new_blocks_of: dict[str, list[int]] = {}
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
 
         # 1. Running requests first, in order; preempt from the back when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new, drafts = self._num_new_tokens(request, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -161,6 +167,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
                     i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -171,6 +178,8 @@ class Scheduler:
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
             new_blocks_of[request.request_id] = [b.block_id for b in blocks]
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= num_new
             i += 1
 
@@ -212,21 +221,46 @@ class Scheduler:
             cached.new_block_ids.append(new_blocks_of[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
 
-        finished = self._finished_ids | {r.request_id for r in preempted}
+        finished = self._finished_ids
         self._finished_ids = set()
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=finished)
-        # Computed counts advance at schedule time: the next schedule() already sees this step's work.
+            finished_req_ids=finished, scheduled_spec_decode_tokens=spec_tokens)
+        # Computed counts advance at schedule time: the next schedule() already sees this step's
+        # work. A chunk that reaches past every known and in-flight token samples, putting
+        # 1 + drafts output tokens in flight.
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
+            num_drafts = len(spec_tokens.get(rid, ()))
             req.num_computed_tokens += n
-            assert req.num_computed_tokens <= req.num_tokens
+            if req.num_computed_tokens - num_drafts >= req.num_tokens + req.num_output_placeholders:
+                out.num_in_flight_tokens[rid] = 1 + num_drafts
+                req.num_output_placeholders += 1 + num_drafts
+                req.num_in_flight_drafts += num_drafts
+                req.spec_token_ids = []
+            assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> tuple[int, list[int]]:
+        """Tokens to compute for a running request this step, and the drafts among them."""
+        if request.num_in_flight_drafts:
+            return 0, []   # its next position depends on how many drafts survive
+        in_flight = request.num_output_placeholders
+        if (request.num_output_tokens + in_flight >= request.max_tokens
+                or request.num_tokens + in_flight >= self.max_model_len):
+            return 0, []   # what is in flight already reaches the limit
+        num_new = min(request.num_tokens + in_flight - request.num_computed_tokens, budget)
+        drafts: list[int] = []
+        if request.spec_token_ids and num_new == 1 and not in_flight:
+            # Room for 1 + k outputs: never propose past max_tokens or max_model_len.
+            room = min(request.max_tokens - request.num_output_tokens,
+                       self.max_model_len - request.num_tokens, budget) - 1
+            drafts = request.spec_token_ids[:max(room, 0)]
+        return num_new + len(drafts), drafts
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -237,8 +271,14 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
+        self._finished_ids.add(request.request_id)   # the workers drop its slot
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Whatever is still in flight was computed on the freed blocks: drop it when it arrives.
+        request.num_stale_output_tokens += request.num_output_placeholders
+        request.num_output_placeholders = 0
+        request.num_in_flight_drafts = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
@@ -246,11 +286,27 @@ class Scheduler:
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Account for a returned step: steps return in the order they were scheduled."""
         outputs: list[EngineCoreOutput] = []
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or preempted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
+            num_in_flight = sched_out.num_in_flight_tokens.get(rid, 0)
+            assert len(sampled) <= num_in_flight, f"{rid}: {len(sampled)} tokens, {num_in_flight} expected"
+            if request.num_stale_output_tokens and num_in_flight:
+                # Scheduled before a preemption or reset: FIFO order makes it the stale output.
+                assert request.num_stale_output_tokens >= num_in_flight
+                request.num_stale_output_tokens -= num_in_flight
+                continue
+            if request.status != RequestStatus.RUNNING:
+                continue  # a non-final chunk of a request preempted meanwhile
+            request.num_output_placeholders -= num_in_flight
+            num_drafts = len(sched_out.scheduled_spec_decode_tokens.get(rid, ()))
+            request.num_in_flight_drafts -= num_drafts
+            if sampled:
+                # Rejected drafts were computed but are not part of the sequence.
+                request.num_computed_tokens -= num_in_flight - len(sampled)
             prompt_lps = runner_out.prompt_logprobs.get(rid)
             if not sampled and prompt_lps is None:
                 continue  # a prefill chunk that is not the last one produces nothing
@@ -271,6 +327,8 @@ class Scheduler:
                 out.stop_reason = request.stop_reason
                 self.running.remove(request)
                 self._free(request)
+            elif rid in runner_out.draft_token_ids:
+                request.spec_token_ids = list(runner_out.draft_token_ids[rid])
             outputs.append(out)
         return outputs
 
@@ -291,5 +349,19 @@ class Scheduler:
         return False
 
     # -- cache control -------------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; False while any block is held.
+
+        With reset_running_requests, every running request is preempted first (its in-flight
+        output becomes stale) and resumes later by recompute.
+        """
+        if reset_running_requests:
+            # From the back, each to the front of the queue: the waiting order stays FCFS.
+            for request in reversed(list(self.running)):
+                self._preempt(request)
         return self.kv_cache.reset_prefix_cache()
+
+    def num_in_flight_tokens(self) -> int:
+        """Output tokens scheduled and not yet returned, stale ones included."""
+        return sum(r.num_output_placeholders + r.num_stale_output_tokens
+                   for r in self.requests.values())

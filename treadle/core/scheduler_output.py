@@ -38,6 +38,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests whose slots the workers must drop before this step (finished or preempted).
     finished_req_ids: set[str] = field(default_factory=set)
+    # Per request that samples this step: how many output tokens it puts in flight (1 + drafts).
+    # A prefill chunk that is not the last one samples nothing and is absent.
+    num_in_flight_tokens: dict[str, int] = field(default_factory=dict)
+    # Draft tokens to verify, per request; they follow its last known token in the step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -62,6 +67,8 @@ class ModelRunnerOutput:
     # Per request: (index of the first prompt token covered, logprobs of the prompt tokens this
     # chunk predicts). Keyed by position so a chunk recomputed after preemption just overwrites.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Per request: drafts proposed for its next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":

@@ -1,15 +1,30 @@
-"""EngineCore: the step loop joining the scheduler and the executor."""
+"""EngineCore: the step loop joining the scheduler and the executor, and the RL controls.
+
+The batch queue holds steps scheduled and not yet accounted for: depth 1 when sync, 2 with
+async scheduling, so step N+1 is scheduled while step N runs. Steps are accounted for in the
+order they were scheduled; the scheduler counts what is in flight in tokens per request.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable, Literal
+
+import torch
 
 from treadle.config import TreadleConfig
 from treadle.core.scheduler import EngineCoreOutput, Scheduler
+from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class EngineCore:
@@ -29,7 +44,16 @@ class EngineCore:
                     num_blocks, cache.block_size,
                     num_blocks * cache.bytes_per_block(model) / 2**20,
                     capacity / model.max_model_len, model.max_model_len)
+        self.async_scheduling = config.scheduler.async_scheduling
+        self.max_steps_in_flight = 2 if self.async_scheduling else 1
+        self.batch_queue: deque[tuple[Future | ModelRunnerOutput, SchedulerOutput]] = deque()
+        # Outputs of steps finished outside step() (drains, aborts); step() hands them out first.
+        self._pending: list[EngineCoreOutput] = []
+        self.paused = False
+        self.asleep: set[str] = set()     # parts put to sleep and not woken yet
+        self.weight_version: Any = 0
 
+    # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
@@ -42,19 +66,136 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def is_idle(self) -> bool:
+        return not self.scheduler.has_unfinished_requests() and not self.batch_queue
+
+    def has_work(self) -> bool:
+        """Whether step() would do anything now."""
+        return bool(self._pending or self.batch_queue
+                    or (self._can_schedule() and self.scheduler.has_unfinished_requests()))
+
+    # -- the step ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute and account for one step; returns what each request produced."""
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        sched_out = self.scheduler.schedule()
-        runner_out = self.executor.execute_model(sched_out)
-        if sched_out.is_empty:
-            # Every known request fits on its own, so an idle step with work waiting is a bug.
-            raise RuntimeError("scheduler made no progress with requests waiting")
+        """Schedule a step if there is room in the batch queue, then account for the oldest one
+        once the queue is full (or nothing more can be scheduled); returns what requests produced."""
+        outputs, self._pending = self._pending, []
+        scheduled = False
+        if (self._can_schedule() and len(self.batch_queue) < self.max_steps_in_flight
+                and self.scheduler.has_unfinished_requests()):
+            sched_out = self.scheduler.schedule()
+            if not sched_out.is_empty:
+                result = self.executor.execute_model(sched_out, non_block=self.async_scheduling)
+                self.batch_queue.append((result, sched_out))
+                scheduled = True
+            elif not self.batch_queue:
+                # Every known request fits on its own, so an idle step with work waiting is a bug.
+                raise RuntimeError("scheduler made no progress with requests waiting")
+        if not self.batch_queue:
+            return outputs
+        if scheduled and len(self.batch_queue) < self.max_steps_in_flight:
+            return outputs  # room for one more step before waiting on the oldest
+        return outputs + self._finish_oldest_step()
+
+    def _can_schedule(self) -> bool:
+        return not self.paused and not self.asleep
+
+    def _finish_oldest_step(self) -> list[EngineCoreOutput]:
+        result, sched_out = self.batch_queue.popleft()
+        runner_out = result.result() if isinstance(result, Future) else result
         return self.scheduler.update_from_output(sched_out, runner_out)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def drain(self) -> None:
+        """Wait for every step in flight and account for it; its outputs go out with the next step()."""
+        while self.batch_queue:
+            self._pending += self._finish_oldest_step()
+
+    # -- pause / resume ------------------------------------------------------------------
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Stop scheduling. abort: end every request now; wait: finish every request first;
+        keep: freeze requests where they are. With clear_cache, the prefix cache is dropped
+        once in-flight steps are done, and kept requests recompute on resume."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        if mode == "abort":
+            self._pending += self.abort_all()
+        elif mode == "wait":
+            if self.asleep and self.has_unfinished_requests():
+                raise RuntimeError("cannot wait for requests while the engine sleeps: wake_up() first")
+            self.paused = False   # kept requests, if any, must run to finish
+            while not self.is_idle():
+                self._pending += self.step()
+        self.paused = True
+        self.drain()
+        if clear_cache:
+            assert self.reset_prefix_cache(reset_running_requests=True)
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def abort_all(self) -> list[EngineCoreOutput]:
+        """Abort every request; returns a final output (finish_reason "abort") for each."""
+        ids = list(self.scheduler.requests)
+        self.abort_requests(ids)
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in ids]
+
+    # -- cache and weights -----------------------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop cached prefixes after in-flight steps finish. With reset_running_requests, running
+        requests are preempted first and resume by recompute; otherwise False while any is running."""
+        self.drain()
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def _check_quiet(self, what: str) -> None:
+        if self.scheduler.running and not self.paused:
+            raise RuntimeError(f"{what} needs a paused or idle engine: "
+                               "call pause_generation() first")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       weight_version: Any = None) -> int:
+        """Copy (transformers name, tensor) pairs into the model in place; a subset is fine."""
+        self._check_quiet("update_weights")
+        self.drain()
+        count = self.executor.collective_rpc("update_weights", (list(named_tensors),))[0]
+        self._after_weight_change(weight_version)
+        return count
+
+    def load_weights(self, path: str, weight_version: Any = None) -> int:
+        """Reload every weight from a folder or GGUF of the same architecture."""
+        self._check_quiet("load_weights")
+        self.drain()
+        count = self.executor.collective_rpc("load_weights", (path,))[0]
+        self._after_weight_change(weight_version)
+        return count
+
+    def _after_weight_change(self, weight_version: Any) -> None:
+        # No cached prefix computed with the old weights may be hit again.
+        self.scheduler.kv_cache.reset_prefix_cache(force=True)
+        if weight_version is None:
+            weight_version = self.weight_version + 1 if isinstance(self.weight_version, int) else None
+        self.weight_version = weight_version
+        logger.info("weights updated; weight_version=%r", weight_version)
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: drop the KV cache (and offload weights on GPU). Level 2: drop weights too."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_quiet("sleep")
+        # Kept requests lose their KV: they recompute after wake_up.
+        assert self.reset_prefix_cache(reset_running_requests=True)
+        self.executor.collective_rpc("sleep", (level,))
+        self.asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"tags must be among {', '.join(SLEEP_TAGS)}; got {sorted(unknown)}")
+        self.executor.collective_rpc("wake_up", (tags,))
+        self.asleep -= set(tags)
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.executor.collective_rpc(method, args, kwargs)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from treadle.config import EngineArgs
@@ -85,8 +86,34 @@ class LLM:
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+    # -- RL controls -------------------------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop cached prefixes; False while a request holds blocks, unless running requests
+        are reset too (they recompute)."""
+        return self.engine.reset_prefix_cache(reset_running_requests)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       weight_version: Any = None) -> int:
+        """Copy (transformers parameter name, tensor) pairs into the model in place."""
+        return self.engine.core.update_weights(named_tensors, weight_version)
+
+    def load_weights(self, path: str, weight_version: Any = None) -> int:
+        """Reload every weight from an HF folder or GGUF of the same architecture."""
+        return self.engine.core.load_weights(path, weight_version)
+
+    def get_weight_version(self) -> Any:
+        return self.engine.core.weight_version
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.core.wake_up(tags)
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a Worker method (by name, or a callable taking the worker) on every worker."""
+        return self.engine.core.collective_rpc(method, args, kwargs)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:

@@ -46,7 +46,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.core.step()
-        ready, stopped = self.output_processor.process_outputs(outputs)
+        ready, stopped = self.output_processor.process_outputs(outputs, self.core.weight_version)
         if stopped:
             self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return ready
@@ -63,5 +63,5 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.core.reset_prefix_cache(reset_running_requests)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.core.scheduler import EngineCoreOutput
 from treadle.core.scheduler_output import TokenLogprobs
@@ -72,6 +73,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer)
         self.requests: dict[str, RequestState] = {}
+        self.weight_version: Any = None
         self.sample_of: dict[str, tuple[RequestState, SampleState]] = {}  # engine id -> sample
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -91,9 +93,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
+    def process_outputs(self, outputs: list[EngineCoreOutput], weight_version: Any = None
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the request outputs to deliver, and engine ids a stop string just finished."""
+        """Returns the request outputs to deliver, and engine ids a stop string just finished.
+
+        `weight_version` is the engine's weight version when these tokens were produced."""
+        self.weight_version = weight_version
         ready: dict[str, RequestOutput] = {}
         stopped_by_string: list[str] = []
         for out in outputs:
@@ -167,7 +172,7 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=state.finished, prompt_logprobs=state.prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens)
+            num_cached_tokens=state.num_cached_tokens, weight_version=self.weight_version)
 
     @staticmethod
     def _take_delta(sample: SampleState) -> tuple[list[int], list | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -11,7 +12,7 @@ import torch
 from treadle.attention.torch_backend import build_metadata
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from treadle.models.loader import iter_hf_weights
+from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
@@ -22,6 +23,8 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: TreadleConfig) -> None:
         self.config = config
+        self.num_blocks = 0
+        self._weights_discarded = False   # by sleep(level=2), until a full load
         self.device = torch.device(config.device)
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
@@ -39,6 +42,7 @@ class ModelRunner:
             model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len)
         model.load_weights(iter_hf_weights(cfg.model))
         self.model = model.to(dtype=self.dtype).eval()
+        self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         # RoPE tables stay fp32, as in transformers.
         self.model.model.rotary.float()
         logger.info("loaded %s (%s) in %.1fs", cfg.model, model_cls.__name__,
@@ -46,16 +50,21 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         cfg = self.config.model
-        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_blocks = num_blocks
+        self._allocate_kv_cache()
+        max_blocks_per_req = -(-cfg.max_model_len // self.block_size)
+        self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
+                                  max_blocks_per_req)
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.config.model
+        shape = (2, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Left uninitialised (zeroing gigabytes up front costs seconds); each block is zeroed
         # when first handed out, since masked-out padding must be finite (0 * NaN = NaN).
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
                           for _ in range(cfg.num_layers)]
-        self._block_zeroed = np.zeros(num_blocks, dtype=bool)
+        self._block_zeroed = np.zeros(self.num_blocks, dtype=bool)
         self._zero_blocks([0])  # the null block pads every block table
-        max_blocks_per_req = -(-cfg.max_model_len // self.block_size)
-        self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
-                                  max_blocks_per_req)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         fresh = [b for b in block_ids if not self._block_zeroed[b]]
@@ -87,6 +96,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert not so.scheduled_spec_decode_tokens, "this runner proposes no drafts to verify"
         self._update_slots(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
@@ -156,3 +166,51 @@ class ModelRunner:
             targets = self.slots.token_ids[slot, first + 1:stop + 1]
             out[rid] = (first + 1, [token_logprobs(lps[j], int(t), num_top) for j, t in enumerate(targets)])
         return out
+
+    # -- RL controls: weights and sleep ------------------------------------------------
+    @torch.inference_mode()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy transformers-named tensors into the model in place; returns how many were set.
+
+        A subset is fine, except after sleep(level=2), when every weight must come back.
+        """
+        if self._weights_discarded:
+            self._materialize_weights()
+        loaded = self.model.load_weights(named_tensors, strict=self._weights_discarded)
+        self._weights_discarded = False
+        return len(loaded)
+
+    def load_weights(self, path: str) -> int:
+        """Reload every weight from a folder or GGUF of the same architecture."""
+        if self._weights_discarded:
+            self._materialize_weights()
+        loaded = self.model.load_weights(iter_hf_weights(prepare_model(path)), strict=True)
+        self._weights_discarded = False
+        return len(loaded)
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache and moves weights to host memory (a no-op on CPU);
+        level 2 discards the weights as well."""
+        self.kv_caches = []
+        if level >= 2:
+            for param in self.model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self._weights_discarded = True
+        elif self.device.type != "cpu":
+            self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags:
+            if self._weights_discarded:
+                raise RuntimeError("sleep(level=2) discarded the weights: call load_weights or "
+                                   "update_weights with every weight before wake_up")
+            self.model.to(self.device)
+        if "kv_cache" in tags and not self.kv_caches:
+            self._allocate_kv_cache()
+
+    def _materialize_weights(self) -> None:
+        for name, param in self.model.named_parameters():
+            shape = self._param_shapes[name]
+            param.data = torch.empty(shape, dtype=param.dtype, device=self.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 import torch
 
@@ -30,3 +31,16 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    # -- RL controls -----------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.runner.update_weights(named_tensors)
+
+    def load_weights(self, path: str) -> int:
+        return self.runner.load_weights(path)
+
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.runner.wake_up(tags)

@@ -1,0 +1,240 @@
+"""AsyncLLM: the online engine API for asyncio (streaming generation and the RL controls).
+
+The engine core steps on its own thread (EngineCoreThread); this object lives on the caller's
+event loop. Tokenizing, detokenizing and stop strings happen here, on the loop; the core thread
+hands each step's outputs over with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, AsyncGenerator, Callable, Iterable
+
+import torch
+
+from treadle.config import EngineArgs
+from treadle.core.scheduler import EngineCoreOutput
+from treadle.engine.core import PAUSE_MODES, EngineCore, PauseMode
+from treadle.engine.core_thread import EngineCoreThread
+from treadle.engine.errors import EngineBusyError, EngineDeadError
+from treadle.engine.input_processor import InputProcessor, PromptType
+from treadle.engine.output_processor import OutputProcessor
+from treadle.models.loader import load_tokenizer
+from treadle.outputs import RequestOutput
+from treadle.request import Request, RequestStatus
+from treadle.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """`AsyncLLM(model=None, **engine_args)`; with no model, the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.config = EngineArgs(model=model, **engine_args).create_config()
+        self.tokenizer = load_tokenizer(self.config.model.model)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.core = EngineCore(self.config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pause_mode: PauseMode | None = None
+        self._pause_lock: asyncio.Lock | None = None
+        self._dead: BaseException | None = None
+        self._core = EngineCoreThread(self.core, self._outputs_from_thread, self._error_from_thread)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    # -- generation ----------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream `RequestOutput`s for one prompt (cumulative unless output_kind is delta).
+
+        Leaving the generator early (a cancelled task, a closed stream) aborts the request.
+        """
+        params = sampling_params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        stream = await self._add_request(request_id, prompt, params, priority, cache_salt)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+
+    async def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                           priority: int, cache_salt: str | None) -> asyncio.Queue:
+        self._bind_loop()
+        self._check_accepting()
+        if request_id in self._streams or request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.input_processor.tokenize(prompt)
+        requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self.output_processor.add_request(request_id, text, ids, params,
+                                          [r.request_id for r in requests])
+        try:
+            await asyncio.wrap_future(self._core.submit(self._add_to_core, requests))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.output_processor.abort_request(request_id)
+            raise
+        return stream
+
+    def _add_to_core(self, requests: list[Request]) -> None:
+        """On the engine thread: all of a request's samples or none of them."""
+        added = []
+        try:
+            for r in requests:
+                self.core.add_request(r)
+                added.append(r.request_id)
+        except Exception:
+            self.core.abort_requests(added)
+            raise
+
+    def _check_accepting(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine core failed: {self._dead!r}")
+        if self._pause_mode in ("abort", "wait"):
+            raise EngineBusyError(f"generation is paused (mode {self._pause_mode!r}); "
+                                  "retry after resume_generation()")
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """End requests now: each stream gets a final output with finish_reason "abort"."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._abort_now(rid)
+
+    def _abort_now(self, request_id: str) -> None:
+        final, engine_ids = self.output_processor.abort_request(request_id)
+        if engine_ids:
+            self._core.submit(self.core.abort_requests, engine_ids)
+        stream = self._streams.get(request_id)
+        if final is not None and stream is not None:
+            stream.put_nowait(final)
+
+    # -- outputs from the engine thread --------------------------------------------------
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("AsyncLLM is bound to another event loop")
+
+    def _outputs_from_thread(self, outputs: list[EngineCoreOutput], weight_version: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, outputs, weight_version)
+
+    def _deliver(self, outputs: list[EngineCoreOutput], weight_version: Any) -> None:
+        ready, stopped = self.output_processor.process_outputs(outputs, weight_version)
+        if stopped:
+            self._core.submit(self.core.finish_requests, stopped, RequestStatus.FINISHED_STOPPED)
+        for out in ready:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _error_from_thread(self, exc: BaseException) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+        else:
+            self._dead = exc
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._dead = exc
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError(f"the engine core failed: {exc!r}"))
+
+    async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run a core method on the engine thread, between steps."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine core failed: {self._dead!r}")
+        return await asyncio.wrap_future(self._core.submit(fn, *args, **kwargs))
+
+    # -- RL controls ---------------------------------------------------------------------
+    def _lock(self) -> asyncio.Lock:
+        if self._pause_lock is None:
+            self._pause_lock = asyncio.Lock()
+        return self._pause_lock
+
+    async def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """abort: end every request now (finish_reason "abort"); wait: let every request finish;
+        keep: freeze requests, to continue on resume. New requests are refused (EngineBusyError)
+        while paused in abort or wait mode, and queue in keep mode."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        self._bind_loop()
+        async with self._lock():
+            self._pause_mode = mode
+            if mode == "abort":
+                for rid in list(self.output_processor.requests):
+                    self._abort_now(rid)
+            elif mode == "wait":
+                await self._call(self.core.resume)   # requests kept by an earlier pause must finish
+                await asyncio.wrap_future(self._core.when_idle())
+            await self._call(self.core.pause, mode, clear_cache)
+            # Let outputs already handed over by the engine thread reach their streams first.
+            await asyncio.sleep(0)
+
+    async def resume_generation(self) -> None:
+        self._bind_loop()
+        async with self._lock():
+            await self._call(self.core.resume)
+            self._pause_mode = None
+
+    async def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return await self._call(self.core.reset_prefix_cache, reset_running_requests)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             weight_version: Any = None) -> int:
+        """Copy (transformers parameter name, tensor) pairs into the model in place; a subset is
+        fine. Refused while requests run unless paused. The prefix cache is dropped afterwards."""
+        return await self._call(self.core.update_weights, list(named_tensors), weight_version)
+
+    async def load_weights(self, path: str, weight_version: Any = None) -> int:
+        return await self._call(self.core.load_weights, path, weight_version)
+
+    async def get_weight_version(self) -> Any:
+        return self.core.weight_version
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._call(self.core.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(self.core.wake_up, tags)
+
+    async def collective_rpc(self, method: str | Callable, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return await self._call(self.core.collective_rpc, method, args, kwargs)
+
+    def shutdown(self) -> None:
+        """Abort whatever is running and stop the engine thread."""
+        for rid in list(self.output_processor.requests):
+            self._abort_now(rid)
+        self._core.stop()

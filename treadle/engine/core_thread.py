@@ -1,0 +1,103 @@
+"""Runs an EngineCore's step loop on a background thread.
+
+Only this thread touches the core. Other threads submit calls, which run between steps in the
+order they were submitted, and get a concurrent.futures.Future back. Outputs are handed to a
+callback after every step; the thread sleeps while the core has nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from treadle.core.scheduler import EngineCoreOutput
+from treadle.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[list[EngineCoreOutput], Any], None]   # (outputs, weight_version)
+ErrorCallback = Callable[[BaseException], None]
+
+
+class EngineCoreThread:
+    def __init__(self, core: EngineCore, on_outputs: OutputCallback, on_error: ErrorCallback) -> None:
+        self.core = core
+        self._on_outputs = on_outputs
+        self._on_error = on_error
+        self._calls: queue.SimpleQueue[tuple[Callable, tuple, dict, Future] | None] = queue.SimpleQueue()
+        self._idle_waiters: list[Future] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="treadle-engine-core", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
+        """Run fn(*args, **kwargs) on the engine thread, between two steps."""
+        future: Future = Future()
+        if self._stopping or not self._thread.is_alive():
+            future.set_exception(RuntimeError("the engine core has stopped"))
+            return future
+        self._calls.put((fn, args, kwargs, future))
+        return future
+
+    def when_idle(self) -> Future:
+        """A future that completes once the core has no request and no step in flight."""
+        future: Future = Future()
+        self.submit(self._idle_waiters.append, future)
+        return future
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._calls.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._idle_waiters and self.core.is_idle():
+                    for future in self._idle_waiters:
+                        future.set_result(None)
+                    self._idle_waiters.clear()
+                if not self._run_calls(block=not self.core.has_work()):
+                    break
+                outputs = self.core.step() if self.core.has_work() else []
+                if outputs:
+                    self._on_outputs(outputs, self.core.weight_version)
+        except BaseException as exc:  # the engine is dead: tell every waiter why
+            logger.exception("engine core failed")
+            self._stopping = True
+            self._on_error(exc)
+            self._fail_waiting_calls(exc)
+        finally:
+            self.core.shutdown()
+
+    def _run_calls(self, block: bool) -> bool:
+        """Run every queued call, first waiting for one if `block`; False once asked to stop."""
+        while True:
+            try:
+                item = self._calls.get(block=block)
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            block = False
+            fn, args, kwargs, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except Exception as exc:  # the caller's error, not the engine's
+                future.set_exception(exc)
+
+    def _fail_waiting_calls(self, exc: BaseException) -> None:
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[3].set_exception(RuntimeError(f"the engine core failed: {exc!r}"))
+        for future in self._idle_waiters:
+            future.set_exception(RuntimeError(f"the engine core failed: {exc!r}"))

@@ -102,6 +102,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the tiny untimed warm-up request on each side")
     g = parser.add_argument_group("comparison and output")
+    g.add_argument("--compare-async", action="store_true",
+                   help="also run treadle with async scheduling flipped, in the same process")
     g.add_argument("--compare-hf", action="store_true",
                    help="also run transformers' generate on the same workload, same process")
     g.add_argument("--hf-batch-size", type=int, default=32,
@@ -152,7 +154,8 @@ def run_treadle(llm: Any, work: Workload, use_tqdm: bool) -> tuple[Result, list[
     extra: dict[str, Any] = {}
     if preempt_before is not None:
         extra["preemptions"] = _preemptions(llm) - preempt_before
-    return Result("treadle", elapsed, len(outs), work.input_tokens, produced, extra), tokens
+    name = "treadle (async)" if llm.engine.config.scheduler.async_scheduling else "treadle"
+    return Result(name, elapsed, len(outs), work.input_tokens, produced, extra), tokens
 
 
 def _preemptions(llm: Any) -> int | None:
@@ -291,6 +294,18 @@ def main(ns: argparse.Namespace) -> int:
     results = [result]
     agree = None
 
+    if ns.compare_async:
+        flipped = engine_args | {"async_scheduling": not engine_args.get("async_scheduling")}
+        del llm
+        gc.collect()
+        llm = LLM(**flipped)
+        if warm is not None:
+            run_treadle(llm, warm, use_tqdm=False)
+        other, other_tokens = run_treadle(llm, work, use_tqdm=not ns.no_tqdm)
+        results.append(other)
+        if other_tokens != treadle_tokens:
+            raise RuntimeError("greedy output differs between sync and async scheduling")
+
     if ns.compare_hf:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         model_path = resolved["model"]
@@ -317,8 +332,9 @@ def main(ns: argparse.Namespace) -> int:
         "engine_resolved": resolved,
         "results": [r.to_dict() for r in results],
     }
-    if len(results) == 2:
-        report["ratio_output_tokens_per_s"] = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+    hf = results[-1] if results[-1].name == "transformers" else None
+    if hf is not None:
+        report["ratio_output_tokens_per_s"] = results[0].output_tokens_per_s / hf.output_tokens_per_s
         report["greedy_agreement"] = agree
     _write_report(report, results)
     if ns.output_json:
@@ -344,8 +360,12 @@ def _write_report(report: dict[str, Any], results: list[Result]) -> None:
     treadle = results[0]
     if "preemptions" in treadle.extra:
         out.write(f"\ntreadle preemptions: {treadle.extra['preemptions']}\n")
-    if len(results) == 2:
-        hf = results[1]
+    if len(results) > 1 and results[1].name.startswith("treadle"):
+        out.write(f"\n{results[1].name} / {results[0].name}, output tokens/s: "
+                  f"{results[1].output_tokens_per_s / results[0].output_tokens_per_s:.3f}x "
+                  f"(identical greedy output)\n")
+    hf = results[-1] if results[-1].name == "transformers" else None
+    if hf is not None:
         useful = hf.output_tokens / hf.extra["generated_tokens_incl_waste"]
         out.write(f"transformers: batch size {hf.extra['batch_size']}, requests sorted by output "
                   f"length before batching; only requested tokens counted "

@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                        action="store_false", help="turn prefix caching off")
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="turn chunked prefill off")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="schedule the next step while the current one runs")
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
@@ -150,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_cli_args(tp)
     add_engine_args(tp)
     tp.set_defaults(func=throughput.main)
+    from treadle.bench import latency
+    lat = bench_sub.add_parser("latency", help="end-to-end latency of one batch",
+                               description=latency.__doc__)
+    latency.add_cli_args(lat)
+    add_engine_args(lat)
+    lat.set_defaults(func=latency.main)
     return parser
 
 

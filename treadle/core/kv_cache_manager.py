@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from treadle.core.block_pool import BlockPool, KVCacheBlock
 from treadle.request import Request
@@ -101,7 +102,13 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forget cached prefixes; False while blocks are held, unless forced (after a weight
+        update): then requests holding blocks now never publish another block, since all their
+        KV, later blocks included, depends on KV computed with the old weights."""
         ok = self.pool.reset_prefix_cache(force)
+        if force:
+            for request_id in self.req_to_blocks:
+                self.num_cached_blocks[request_id] = sys.maxsize
         if ok:
             logger.info("prefix cache reset")
         return ok

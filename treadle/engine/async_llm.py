@@ -188,16 +188,20 @@ class AsyncLLM:
             raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         self._bind_loop()
         async with self._lock():
-            self._pause_mode = mode
-            if mode == "abort":
-                for rid in list(self.output_processor.requests):
-                    self._abort_now(rid)
-            elif mode == "wait":
-                await self._call(self.core.resume)   # requests kept by an earlier pause must finish
-                await asyncio.wrap_future(self._core.when_idle())
-            await self._call(self.core.pause, mode, clear_cache)
-            # Let outputs already handed over by the engine thread reach their streams first.
-            await asyncio.sleep(0)
+            previous, self._pause_mode = self._pause_mode, mode
+            try:
+                if mode == "abort":
+                    for rid in list(self.output_processor.requests):
+                        self._abort_now(rid)
+                elif mode == "wait":
+                    await self._call(self.core.prepare_to_finish_requests)
+                    await asyncio.wrap_future(self._core.when_idle())
+                await self._call(self.core.pause, mode, clear_cache)
+            except BaseException:   # refused or cancelled: back to the state before this call
+                self._pause_mode = previous
+                if previous is not None:   # "wait" let kept requests run: freeze them again
+                    self._core.submit(self.core.pause, "keep", False)
+                raise
 
     async def resume_generation(self) -> None:
         self._bind_loop()

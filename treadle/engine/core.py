@@ -78,7 +78,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule a step if there is room in the batch queue, then account for the oldest one
         once the queue is full (or nothing more can be scheduled); returns what requests produced."""
-        outputs, self._pending = self._pending, []
+        outputs = self.take_pending_outputs()
         scheduled = False
         if (self._can_schedule() and len(self.batch_queue) < self.max_steps_in_flight
                 and self.scheduler.has_unfinished_requests()):
@@ -119,9 +119,7 @@ class EngineCore:
         if mode == "abort":
             self._pending += self.abort_all()
         elif mode == "wait":
-            if self.asleep and self.has_unfinished_requests():
-                raise RuntimeError("cannot wait for requests while the engine sleeps: wake_up() first")
-            self.paused = False   # kept requests, if any, must run to finish
+            self.prepare_to_finish_requests()
             while not self.is_idle():
                 self._pending += self.step()
         self.paused = True
@@ -129,8 +127,18 @@ class EngineCore:
         if clear_cache:
             assert self.reset_prefix_cache(reset_running_requests=True)
 
+    def prepare_to_finish_requests(self) -> None:
+        """Before waiting for every request to finish: requests kept by an earlier pause must run."""
+        if self.asleep and self.has_unfinished_requests():
+            raise RuntimeError("requests cannot finish while the engine sleeps: call wake_up() first")
+        self.paused = False
+
     def resume(self) -> None:
         self.paused = False
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
 
     def abort_all(self) -> list[EngineCoreOutput]:
         """Abort every request; returns a final output (finish_reason "abort") for each."""

@@ -58,7 +58,8 @@ class EngineCoreThread:
             while True:
                 if self._idle_waiters and self.core.is_idle():
                     for future in self._idle_waiters:
-                        future.set_result(None)
+                        if not future.done():   # a caller may have given up waiting
+                            future.set_result(None)
                     self._idle_waiters.clear()
                 if not self._run_calls(block=not self.core.has_work()):
                     break
@@ -87,9 +88,16 @@ class EngineCoreThread:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args, **kwargs))
+                result = fn(*args, **kwargs)
             except Exception as exc:  # the caller's error, not the engine's
                 future.set_exception(exc)
+                continue
+            # Outputs the call produced (a drain, an abort) go out before its result, and so
+            # before any later call (a weight update) can run.
+            pending = self.core.take_pending_outputs()
+            if pending:
+                self._on_outputs(pending, self.core.weight_version)
+            future.set_result(result)
 
     def _fail_waiting_calls(self, exc: BaseException) -> None:
         while True:
@@ -100,4 +108,5 @@ class EngineCoreThread:
             if item is not None:
                 item[3].set_exception(RuntimeError(f"the engine core failed: {exc!r}"))
         for future in self._idle_waiters:
-            future.set_exception(RuntimeError(f"the engine core failed: {exc!r}"))
+            if not future.done():
+                future.set_exception(RuntimeError(f"the engine core failed: {exc!r}"))

@@ -117,6 +117,8 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        if self.engine.core.asleep:
+            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         # Tokenize and validate everything first, so one bad prompt adds none of the others.
         processor = self.engine.input_processor
         tokenized = []

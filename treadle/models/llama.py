@@ -210,9 +210,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy transformers-named tensors into this model; returns the names consumed.
 
         With strict=True every parameter must be covered (a full checkpoint); a partial
-        update (RL weight sync) passes strict=False.
+        update (RL weight sync) passes strict=False. Every name and shape is checked before
+        anything is copied, so a refused update leaves the model as it was.
         """
         params = dict(self.named_parameters())
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         loaded: set[str] = set()
         covered: set[str] = set()
         for name, tensor in weights:
@@ -237,10 +239,12 @@ class LlamaForCausalLM(nn.Module):
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}")
-            target.copy_(tensor.to(target.dtype))
+            plan.append((target, tensor))
             loaded.add(name)
         if strict:
             self._check_complete(covered)
+        for target, tensor in plan:
+            target.copy_(tensor.to(target.dtype))
         return loaded
 
     def _check_complete(self, covered: set[str]) -> None:

@@ -1,0 +1,196 @@
+"""Request and response bodies of the OpenAI-compatible API, with OpenAI's and vLLM's names.
+
+Ranges are checked by `SamplingParams` (its ValueError names the field and becomes a 400);
+the models here only fix types, plus bounds that keep absurd integers away from the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# Integers go into int64 tensors in the engine; a larger one must be a 400, not a dead engine.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# n > 1 makes n engine requests at once; bound it so one request cannot flood the scheduler.
+MAX_N = 128
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are accepted and reported in the log, as vLLM does: clients send extras.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """The sampling fields completions and chat share (vLLM's extras included)."""
+
+    model: str | None = None
+    n: Annotated[int, Field(le=MAX_N)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: bool = False
+    min_tokens: Int64 = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: Int64 = 0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: Int64 | None = 16
+    echo: bool = False
+    logprobs: Int64 | None = None
+    best_of: Int64 | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    # A string, or OpenAI content parts; only {"type": "text"} parts are supported.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Int64 | None = None              # deprecated by OpenAI; max_completion_tokens wins
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[Int64]
+
+
+class UpdateWeightsRequest(OpenAIModel):
+    path: str
+    weight_version: Any = None
+
+
+# -- responses -------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or one streamed chunk of it (then `usage` is only on the last)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # A delta carries only what changed: {"content": "..."}, not {"role": null, ...}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -69,11 +70,46 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """`speculative_config={"method": "ngram", "num_speculative_tokens": k, ...}`, as in vLLM."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | str) -> "SpeculativeConfig":
+        if isinstance(spec, str):   # JSON, from the command line
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(spec) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
+        config = cls(**spec)
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram', got {config.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            _check_positive(name, getattr(config, name))
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({config.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
+
+
+@dataclass
 class TreadleConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str = "cpu"
+    speculative: SpeculativeConfig | None = None
 
 
 def _default_device() -> str:
@@ -96,6 +132,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = False
+    speculative_config: dict[str, Any] | str | None = None
     seed: int = 0
     device: str | None = None
 
@@ -147,7 +184,10 @@ class EngineArgs:
                                     scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
                                     enable_chunked_prefill=self.enable_chunked_prefill,
                                     async_scheduling=bool(self.async_scheduling))
-        return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device)
+        spec_cfg = (SpeculativeConfig.from_dict(self.speculative_config)
+                    if self.speculative_config is not None else None)
+        return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
+                             speculative=spec_cfg)
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -198,4 +238,5 @@ def num_blocks_from_budget(config: TreadleConfig) -> int:
 
 
 __all__ = ["EngineArgs", "TreadleConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
+           "SpeculativeConfig",
            "num_blocks_from_budget"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.stats import SpecDecodingStats
 from treadle.core.scheduler_output import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs)
 from treadle.request import Request, RequestStatus
@@ -95,6 +96,7 @@ class Scheduler:
         self._seed_rng = random.Random(seed)
         self._generator_seeds: dict[str, int] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # -- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -250,6 +252,10 @@ class Scheduler:
         if request.num_in_flight_drafts:
             return 0, []   # its next position depends on how many drafts survive
         in_flight = request.num_output_placeholders
+        if request.spec_token_ids and in_flight:
+            # Async: drafts must follow the token still in flight; sit this step out so the
+            # next one can verify fresh drafts (1 + k tokens) instead of decoding one.
+            return 0, []
         if (request.num_output_tokens + in_flight >= request.max_tokens
                 or request.num_tokens + in_flight >= self.max_model_len):
             return 0, []   # what is in flight already reaches the limit
@@ -307,6 +313,8 @@ class Scheduler:
             if sampled:
                 # Rejected drafts were computed but are not part of the sequence.
                 request.num_computed_tokens -= num_in_flight - len(sampled)
+                if num_drafts:
+                    self.spec_stats.observe(num_drafts, len(sampled) - 1)
             prompt_lps = runner_out.prompt_logprobs.get(rid)
             if not sampled and prompt_lps is None:
                 continue  # a prefill chunk that is not the last one produces nothing

@@ -40,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                        action="store_false", help="turn chunked prefill off")
     group.add_argument("--async-scheduling", action="store_true",
                        help="schedule the next step while the current one runs")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 3}\'')
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:

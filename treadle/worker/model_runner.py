@@ -16,6 +16,7 @@ from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
+from treadle.worker.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.slots: RequestSlots | None = None
         self.sampler = Sampler(self.device)
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                       spec.num_speculative_tokens) if spec is not None else None)
 
     # -- set-up ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -96,7 +100,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        assert not so.scheduled_spec_decode_tokens, "this runner proposes no drafts to verify"
         self._update_slots(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
@@ -106,11 +109,17 @@ class ModelRunner:
         idx = np.array([slots.slot_of[r] for r in req_ids], dtype=np.int64)
         q_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         ctx = slots.num_computed_tokens[idx]
-        # Decodes first: the attention backend batches them.
+        # Decodes first: the attention backend batches them. A step verifying drafts is a
+        # short chunk of 1 + k tokens to the backend.
         is_decode = (q_lens == 1) & (ctx > 0)
         order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
         req_ids = [req_ids[i] for i in order]
         idx, q_lens, ctx = idx[order], q_lens[order], ctx[order]
+        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
+        for slot, d in zip(idx, drafts):
+            if d:   # scratch space past the known tokens; verified tokens overwrite it
+                n = int(slots.num_tokens[slot])
+                slots.token_ids[slot, n:n + len(d)] = d
 
         total = int(q_lens.sum())
         starts = np.cumsum(q_lens) - q_lens
@@ -122,30 +131,75 @@ class ModelRunner:
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
 
+        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
         ends = ctx + q_lens
-        assert (ends <= slots.num_tokens[idx]).all()
-        samples = ends == slots.num_tokens[idx]   # the chunk reaches the last known token
+        assert (ends - num_drafts <= slots.num_tokens[idx]).all()
+        # The chunk reaches the last known token: it samples (1 + k tokens with k drafts).
+        samples = ends - num_drafts == slots.num_tokens[idx]
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if samples.any():
             rows = np.flatnonzero(samples)
-            last = torch.from_numpy(starts[rows] + q_lens[rows] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[last])
-            sampling_rows = [
-                SamplingRow(slots.params[s], slots.seeds[s], slots.prompt_ids(s), slots.output_ids(s),
-                            slots.eos_token_ids[s])
-                for s in idx[rows]]
-            tokens, token_lps = self.sampler(logits, sampling_rows)
-            for r, tok, lp in zip(rows, tokens, token_lps):
-                slots.append_token(int(idx[r]), tok)
-                sampled[r] = [tok]
-                if lp is not None:
-                    logprobs[req_ids[r]] = [lp]
+            sampled_rows, logprobs_rows = self._sample_and_verify(
+                hidden, idx[rows], starts[rows] + q_lens[rows] - 1 - num_drafts[rows],
+                [drafts[r] for r in rows])
+            for r, tokens, lps in zip(rows, sampled_rows, logprobs_rows):
+                slot = int(idx[r])
+                for tok in tokens:
+                    slots.append_token(slot, tok)
+                sampled[r] = tokens
+                if lps is not None:
+                    logprobs[req_ids[r]] = lps
+                # Rejected drafts were computed but are not part of the sequence.
+                ends[r] -= num_drafts[r] - (len(tokens) - 1)
         slots.num_computed_tokens[idx] = ends
+
+        draft_token_ids: dict[str, list[int]] = {}
+        if self.proposer is not None:
+            for r in np.flatnonzero(samples):
+                slot = int(idx[r])
+                draft_token_ids[req_ids[r]] = self.proposer.propose(
+                    slots.token_ids[slot, :slots.num_tokens[slot]])
 
         prompt_logprobs = self._prompt_logprobs(req_ids, idx, starts, q_lens, ctx, hidden)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, draft_token_ids=draft_token_ids)
+
+    def _sample_and_verify(self, hidden: torch.Tensor, slot_ids: np.ndarray, first_rows: np.ndarray,
+                           drafts: list[list[int]]
+                           ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """Sample each request's next token; with k drafts, sample all 1 + k positions and keep
+        the drafts up to the first one the sample disagrees with, plus that sample.
+
+        Each position samples exactly as decoding one token at a time would (same penalties
+        history, same positional seed), so output is identical with and without drafts: greedy
+        keeps the longest matching prefix plus the bonus token, and a sampled draft d survives
+        with probability p(d), else the sample comes from p without d — the same law as
+        rejection sampling against one-hot n-gram drafts.
+        """
+        slots = self.slots
+        row_index: list[int] = []
+        sampling_rows: list[SamplingRow] = []
+        for slot, first, d in zip(slot_ids, first_rows, drafts):
+            outputs = slots.output_ids(slot)
+            for j in range(len(d) + 1):
+                row_index.append(int(first) + j)
+                history = outputs if j == 0 else np.concatenate([outputs, np.asarray(d[:j], dtype=outputs.dtype)])
+                sampling_rows.append(SamplingRow(slots.params[slot], slots.seeds[slot],
+                                                 slots.prompt_ids(slot), history, slots.eos_token_ids[slot]))
+        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        tokens, token_lps = self.sampler(logits, sampling_rows)
+        out_tokens, out_lps = [], []
+        pos = 0
+        for d in drafts:
+            accepted = 0
+            while accepted < len(d) and tokens[pos + accepted] == d[accepted]:
+                accepted += 1
+            out_tokens.append(tokens[pos:pos + accepted + 1])
+            lps = token_lps[pos:pos + accepted + 1]
+            out_lps.append(None if lps[0] is None else lps)
+            pos += len(d) + 1
+        return out_tokens, out_lps
 
     def _prompt_logprobs(self, req_ids, idx, starts, q_lens, ctx, hidden
                          ) -> dict[str, tuple[int, list[TokenLogprobs]]]:

@@ -1,0 +1,31 @@
+"""Counters the engine exposes: speculative decoding acceptance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0            # steps in which a request verified drafts
+    num_draft_tokens: int = 0      # drafts verified
+    num_accepted_tokens: int = 0   # drafts kept
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per verifying step: the accepted drafts plus the bonus token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers for the model runner."""

@@ -56,6 +56,8 @@ class Request:
         per sampling step). Never a flag: async scheduling keeps up to two steps in flight.
       num_stale_output_tokens: in-flight output from before a preemption or reset; exactly
         this many arriving tokens are dropped. Zero whenever nothing was in flight.
+      num_in_flight_steps: steps scheduled for it and not yet returned (a non-final prefill
+        chunk counts too); a finished request's are dropped on arrival by the scheduler.
       num_in_flight_drafts: draft tokens among the placeholders; the request is not scheduled
         again until they are verified, since the next position depends on how many survive.
       num_cached_tokens: prefix-cache hit length at the first schedule (-1 before it).
@@ -89,6 +91,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_stale_output_tokens = 0
         self.num_in_flight_drafts = 0
+        self.num_in_flight_steps = 0
         self.spec_token_ids: list[int] = []   # drafts proposed for the next step
         self.num_cached_tokens = -1
         self.num_preemptions = 0

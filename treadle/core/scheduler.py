@@ -93,6 +93,8 @@ class Scheduler:
         self.waiting = WaitingQueue(sched_config.scheduling_policy)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()   # to tell the workers next step
+        # Finished requests' steps still in flight, by id: their output is dropped on arrival.
+        self._finished_in_flight: dict[str, int] = {}
         self._seed_rng = random.Random(seed)
         self._generator_seeds: dict[str, int] = {}
         self.num_preemptions = 0
@@ -134,9 +136,23 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
+        if request.num_in_flight_steps:
+            # Its steps still in flight return before any step of a new request with its id.
+            self._finished_in_flight[request.request_id] = (
+                self._finished_in_flight.get(request.request_id, 0) + request.num_in_flight_steps)
         self._finished_ids.add(request.request_id)
         self._generator_seeds.pop(request.request_id, None)
         del self.requests[request.request_id]
+
+    def _drop_output_of_finished(self, rid: str) -> bool:
+        left = self._finished_in_flight.get(rid)
+        if left is None:
+            return False
+        if left == 1:
+            del self._finished_in_flight[rid]
+        else:
+            self._finished_in_flight[rid] = left - 1
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -164,13 +180,14 @@ class Scheduler:
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1   # its removal shifts the requests after it
                 if victim in scheduled_running:
                     # It was given tokens earlier this step: take them back.
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id, None)
                     spec_tokens.pop(victim.request_id, None)
-                    i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -237,6 +254,7 @@ class Scheduler:
             req = self.requests[rid]
             num_drafts = len(spec_tokens.get(rid, ()))
             req.num_computed_tokens += n
+            req.num_in_flight_steps += 1
             if req.num_computed_tokens - num_drafts >= req.num_tokens + req.num_output_placeholders:
                 out.num_in_flight_tokens[rid] = 1 + num_drafts
                 req.num_output_placeholders += 1 + num_drafts
@@ -295,9 +313,10 @@ class Scheduler:
         """Account for a returned step: steps return in the order they were scheduled."""
         outputs: list[EngineCoreOutput] = []
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            request = self.requests.get(rid)
-            if request is None:
-                continue  # finished or aborted while the step ran
+            if self._drop_output_of_finished(rid):
+                continue  # finished or aborted while the step ran (the id may be reused since)
+            request = self.requests[rid]
+            request.num_in_flight_steps -= 1
             num_in_flight = sched_out.num_in_flight_tokens.get(rid, 0)
             assert len(sampled) <= num_in_flight, f"{rid}: {len(sampled)} tokens, {num_in_flight} expected"
             if request.num_stale_output_tokens and num_in_flight:

@@ -1,0 +1,436 @@
+"""The async-scheduling token ledger: every output token arrives exactly once, in order.
+
+The fake runner samples, for request `rid` at sequence position `p`, the token `target(rid, p)`.
+Since that is a pure function of the position, a token dropped, duplicated or delivered at the
+wrong position (stale output not dropped after a preemption or reset, an off-by-one in the
+placeholder count, a rejected draft not taken back) makes a request's delivered tokens differ
+from `expected(request)`. Steps return in FIFO order, as the engine guarantees.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.test_scheduler import BS, EOS, make_request, make_scheduler
+from treadle.core.scheduler import EngineCoreOutput, Scheduler
+from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.request import Request, RequestStatus
+
+# Above every target() for positions < max_model_len (256): a draft that is never accepted.
+WRONG_DRAFT = 9000
+
+
+def target(rid: str, pos: int) -> int:
+    """The token the fake model samples for `rid` at position `pos`: distinct per position."""
+    return 1000 + (zlib.crc32(rid.encode()) % 997) * 7 + pos
+
+
+# A target is never EOS (no early stop) and never WRONG_DRAFT.
+assert target("any", 0) != EOS and 1000 + 996 * 7 + 256 < WRONG_DRAFT
+
+
+def expected(request: Request, n: int) -> list[int]:
+    return [target(request.request_id, request.num_prompt_tokens + i) for i in range(n)]
+
+
+# (rid, position the drafts would start at) -> drafts to propose, possibly none.
+Proposer = Callable[[str, int], list[int]]
+
+
+def perfect_drafts(k: int) -> Proposer:
+    return lambda rid, pos: [target(rid, pos + j) for j in range(k)]
+
+
+def random_drafts(rng: random.Random) -> Proposer:
+    """Half the time 1..4 drafts, each right with probability 0.7."""
+    def propose(rid: str, pos: int) -> list[int]:
+        if rng.random() < 0.5:
+            return []
+        return [target(rid, pos + j) if rng.random() < 0.7 else WRONG_DRAFT + j
+                for j in range(rng.randint(1, 4))]
+    return propose
+
+
+@dataclass
+class InFlightStep:
+    so: SchedulerOutput
+    first_pos: dict[str, int]   # rid -> position of the first token this step samples for it
+
+
+class AsyncRunner:
+    """Drives the scheduler like the async engine: steps are scheduled ahead, returned in order."""
+
+    def __init__(self, sched: Scheduler, propose: Proposer | None = None) -> None:
+        self.sched = sched
+        self.propose = propose
+        self.fifo: deque[InFlightStep] = deque()
+        self.requests: dict[str, Request] = {}     # every request ever added, finished or not
+        self.delivered: dict[str, list[int]] = defaultdict(list)
+        self.finish_reason: dict[str, str] = {}
+        self.at_abort: dict[str, list[int]] = {}   # what had been delivered when it was aborted
+        self.scheduled_tokens: dict[str, int] = defaultdict(int)
+
+    # -- engine actions ----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.sched.add_request(request)
+        self.requests[request.request_id] = request
+
+    def schedule(self) -> SchedulerOutput:
+        so = self.sched.schedule()
+        for rid in so.scheduled_spec_decode_tokens:
+            # Drafts follow the last known token, so nothing may be in flight ahead of them.
+            assert self.in_fifo(rid) == 0, f"{rid}: drafts scheduled with output in flight"
+        # Read right after schedule(): num_computed_tokens already counts this step's tokens,
+        # drafts included, and the first sample follows the last non-draft token.
+        first_pos = {rid: self.sched.requests[rid].num_computed_tokens
+                     - len(so.scheduled_spec_decode_tokens.get(rid, ()))
+                     for rid in so.num_in_flight_tokens}
+        for rid, n in so.num_scheduled_tokens.items():
+            self.scheduled_tokens[rid] += n
+        self.fifo.append(InFlightStep(so, first_pos))
+        self.check_in_flight()
+        return so
+
+    def complete(self) -> list[EngineCoreOutput]:
+        step = self.fifo.popleft()
+        so = step.so
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        proposals: dict[str, list[int]] = {}
+        for rid in req_ids:
+            if rid not in step.first_pos:
+                sampled.append([])   # a prefill chunk that is not the last samples nothing
+                continue
+            p = step.first_pos[rid]
+            tokens: list[int] = []
+            for j, draft in enumerate(so.scheduled_spec_decode_tokens.get(rid, ())):
+                if draft != target(rid, p + j):
+                    break
+                tokens.append(draft)
+            tokens.append(target(rid, p + len(tokens)))   # the bonus token
+            sampled.append(tokens)
+            if self.propose is not None and (drafts := self.propose(rid, p + len(tokens))):
+                proposals[rid] = drafts
+        outs = self.sched.update_from_output(
+            so, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                  draft_token_ids=proposals))
+        for out in outs:
+            assert out.request_id not in self.finish_reason, f"{out.request_id}: output after finishing"
+            self.delivered[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.finish_reason[out.request_id] = out.finish_reason
+        self.check_in_flight()
+        return outs
+
+    def reset(self) -> bool:
+        ok = self.sched.reset_prefix_cache(reset_running_requests=True)
+        self.check_in_flight()
+        return ok
+
+    def abort(self, rid: str) -> None:
+        assert rid in self.sched.requests, f"{rid} is not live"
+        self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        self.at_abort[rid] = list(self.delivered[rid])
+        self.check_in_flight()
+
+    def pump(self, depth: int) -> None:
+        """One engine-loop event: schedule while fewer than `depth` steps are out, else complete."""
+        if len(self.fifo) < depth and self.sched.has_unfinished_requests():
+            self.schedule()
+        else:
+            self.complete()
+
+    def drain(self, depth: int, max_events: int = 1000) -> None:
+        for _ in range(max_events):
+            if not self.sched.has_unfinished_requests() and not self.fifo:
+                return
+            self.pump(depth)
+        raise AssertionError(f"no progress after {max_events} events: "
+                             f"{ {rid: r.status.name for rid, r in self.sched.requests.items()} }")
+
+    # -- checks ------------------------------------------------------------------------
+    def in_fifo(self, rid: str) -> int:
+        return sum(s.so.num_in_flight_tokens.get(rid, 0) for s in self.fifo)
+
+    def check_in_flight(self) -> None:
+        """Each live request's placeholders + stale tokens are exactly what the FIFO carries."""
+        for rid, r in self.sched.requests.items():
+            assert min(r.num_output_placeholders, r.num_stale_output_tokens,
+                       r.num_in_flight_drafts) >= 0, rid
+            assert r.num_in_flight_drafts <= r.num_output_placeholders, rid
+            assert r.num_output_placeholders + r.num_stale_output_tokens == self.in_fifo(rid), (
+                f"{rid}: {r.num_output_placeholders} placeholders + {r.num_stale_output_tokens} "
+                f"stale, but {self.in_fifo(rid)} tokens in flight")
+        assert self.sched.num_in_flight_tokens() == sum(
+            self.in_fifo(rid) for rid in self.sched.requests)
+
+    def check_ledger(self) -> None:
+        assert not self.fifo and not self.sched.has_unfinished_requests()
+        for rid, r in self.requests.items():
+            got = self.delivered.get(rid, [])
+            assert got == expected(r, len(got)), f"{rid}: delivered {got}"
+            assert got == r.output_token_ids, rid
+            if rid in self.at_abort:
+                assert r.status == RequestStatus.FINISHED_ABORTED, rid
+                assert got == self.at_abort[rid], f"{rid}: output after the abort"
+                assert rid not in self.finish_reason, rid
+            else:
+                assert len(got) == r.max_tokens, f"{rid}: {len(got)} of {r.max_tokens} tokens"
+                assert self.finish_reason.get(rid) == "length", rid
+                assert (r.num_output_placeholders, r.num_stale_output_tokens,
+                        r.num_in_flight_drafts) == (0, 0, 0), rid
+        assert self.sched.num_in_flight_tokens() == 0
+        self.sched.kv_cache.assert_no_leaks()
+
+
+def add_requests(runner: AsyncRunner, n: int, prompt_len: int = 6, max_tokens: int = 8) -> list[Request]:
+    # Different first tokens: no prefix sharing unless a test asks for it.
+    reqs = [make_request(f"r{i}", prompt_len + i, first_token=100 * (i + 1), max_tokens=max_tokens)
+            for i in range(n)]
+    for r in reqs:
+        runner.add(r)
+    return reqs
+
+
+# -- resets ------------------------------------------------------------------------------
+def test_reset_when_drained_drops_nothing():
+    sched = make_scheduler()
+    runner = AsyncRunner(sched)
+    reqs = add_requests(runner, 3)
+    for _ in range(6):
+        runner.pump(depth=2)
+    while runner.fifo:
+        runner.complete()
+    before = {r.request_id: len(runner.delivered[r.request_id]) for r in reqs}
+    assert all(before.values()) and sched.num_in_flight_tokens() == 0
+
+    assert runner.reset() is True
+    for r in reqs:
+        assert r.status == RequestStatus.PREEMPTED and r.num_stale_output_tokens == 0
+    # The first step after the reset (a recompute) is delivered, not dropped as stale.
+    runner.schedule()
+    runner.complete()
+    assert {rid: len(runner.delivered[rid]) for rid in before} == {
+        rid: n + 1 for rid, n in before.items()}
+    runner.drain(depth=2)
+    runner.check_ledger()
+
+
+@pytest.mark.parametrize("warmup", [0, 3])   # 0: the in-flight token is the prefill's sample
+def test_reset_with_one_token_in_flight_drops_exactly_one(warmup: int):
+    sched = make_scheduler()
+    runner = AsyncRunner(sched)
+    reqs = add_requests(runner, 3)
+    for _ in range(warmup):
+        runner.schedule()
+        runner.complete()
+    so = runner.schedule()
+    assert so.num_in_flight_tokens == {r.request_id: 1 for r in reqs}
+    before = {r.request_id: list(runner.delivered[r.request_id]) for r in reqs}
+
+    assert runner.reset() is True
+    for r in reqs:
+        assert (r.num_stale_output_tokens, r.num_output_placeholders) == (1, 0)
+    assert sched.num_in_flight_tokens() == len(reqs)
+    assert runner.complete() == []            # the stale step delivers nothing
+    assert {rid: runner.delivered[rid] for rid in before} == before
+    assert all(r.num_stale_output_tokens == 0 for r in reqs)
+    runner.drain(depth=2)
+    runner.check_ledger()
+
+
+@pytest.mark.parametrize("drafts_right", [True, False])
+def test_reset_with_drafts_in_flight_drops_one_plus_k(drafts_right: bool):
+    k = 3
+    # Stale count is 1 + k whether or not the drafts would have been accepted.
+    propose = perfect_drafts(k) if drafts_right else (
+        lambda rid, pos: [target(rid, pos), WRONG_DRAFT, target(rid, pos + 2)])
+    sched = make_scheduler()
+    runner = AsyncRunner(sched, propose)
+    reqs = add_requests(runner, 2, max_tokens=12)
+    runner.schedule()
+    runner.complete()                          # prefill: first token, drafts proposed
+    so = runner.schedule()
+    for r in reqs:
+        rid = r.request_id
+        assert len(so.scheduled_spec_decode_tokens[rid]) == k
+        assert so.num_scheduled_tokens[rid] == so.num_in_flight_tokens[rid] == 1 + k
+        assert r.num_in_flight_drafts == k
+    before = {r.request_id: list(runner.delivered[r.request_id]) for r in reqs}
+
+    assert runner.reset() is True
+    for r in reqs:
+        assert (r.num_stale_output_tokens, r.num_output_placeholders, r.num_in_flight_drafts,
+                r.spec_token_ids) == (1 + k, 0, 0, [])
+    assert runner.complete() == []
+    assert {rid: runner.delivered[rid] for rid in before} == before
+    assert all(r.num_stale_output_tokens == 0 for r in reqs)
+    runner.drain(depth=1)                      # depth 1: drafts keep being scheduled
+    runner.check_ledger()
+
+
+def test_two_resets_accumulate_stale_tokens():
+    sched = make_scheduler()
+    runner = AsyncRunner(sched)
+    reqs = add_requests(runner, 2)
+    runner.schedule()
+    runner.schedule()                          # prefill and first decode: 2 tokens in flight
+    assert all(r.num_output_placeholders == 2 for r in reqs)
+
+    assert runner.reset() is True
+    assert all(r.num_stale_output_tokens == 2 for r in reqs)
+    assert runner.reset() is True              # nothing running now: the count stays
+    assert all(r.num_stale_output_tokens == 2 for r in reqs)
+    runner.schedule()                          # resumed by recompute: a third token in flight
+    assert all((r.num_output_placeholders, r.num_stale_output_tokens) == (1, 2) for r in reqs)
+    assert runner.reset() is True
+    assert all((r.num_output_placeholders, r.num_stale_output_tokens) == (0, 3) for r in reqs)
+    assert sched.num_in_flight_tokens() == 6
+
+    for _ in range(3):
+        assert runner.complete() == []
+    assert all(r.num_stale_output_tokens == 0 for r in reqs)
+    assert not any(runner.delivered.values())
+    runner.drain(depth=2)
+    runner.check_ledger()
+
+
+def test_reset_under_kv_pressure_after_natural_preemption():
+    # 11 usable blocks of 4 = 44 tokens; three requests grow to 25 tokens each.
+    sched = make_scheduler(num_blocks=12, budget=16)
+    runner = AsyncRunner(sched)
+    add_requests(runner, 3, prompt_len=14, max_tokens=12)
+    for _ in range(200):
+        runner.pump(depth=2)
+        if any(r.num_stale_output_tokens for r in sched.requests.values()):
+            break
+    else:
+        pytest.fail("no preemption with output in flight")
+    assert sched.num_preemptions > 0 and runner.fifo
+    assert runner.reset() is True
+    runner.drain(depth=2)
+    runner.check_ledger()
+
+
+# -- aborts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("abort_at", range(12))
+def test_abort_at_any_event_keeps_what_was_delivered(abort_at: int):
+    sched = make_scheduler(budget=8)
+    runner = AsyncRunner(sched)
+    victim = make_request("v", 12, max_tokens=8)     # 12 > budget: a chunked prefill first
+    runner.add(victim)
+    runner.add(make_request("o", 5, first_token=300, max_tokens=8))
+    for _ in range(abort_at):
+        runner.pump(depth=2)
+    runner.abort("v")
+    assert victim.status.finish_reason == "abort"
+    assert runner.delivered["v"] == victim.output_token_ids == expected(victim, victim.num_output_tokens)
+    runner.drain(depth=2)                      # later in-flight outputs for "v" must be ignored
+    runner.check_ledger()
+
+
+# -- max_tokens --------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt_len", [5, 21])   # 21 > budget 8: chunked prefill
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_async_never_schedules_past_max_tokens(prompt_len: int, max_tokens: int):
+    sched = make_scheduler(budget=8)
+    runner = AsyncRunner(sched)
+    r = make_request("r", prompt_len, max_tokens=max_tokens)
+    runner.add(r)
+    runner.drain(depth=2)
+    assert r.num_preemptions == 0
+    # One step per output token, the first on the last prompt chunk: nothing wasted.
+    assert runner.scheduled_tokens["r"] == prompt_len + max_tokens - 1
+    runner.check_ledger()
+
+
+@pytest.mark.parametrize("depth", [1, 2])   # 2: drafts must wait until nothing is in flight
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_drafts_never_reach_past_max_tokens(max_tokens: int, depth: int):
+    # Every draft is right, so a draft scheduled past max_tokens would show as extra tokens.
+    sched = make_scheduler(budget=8)
+    runner = AsyncRunner(sched, perfect_drafts(4))
+    r = make_request("r", 5, max_tokens=max_tokens)
+    runner.add(r)
+    runner.drain(depth=depth)
+    assert runner.scheduled_tokens["r"] == 5 + max_tokens - 1
+    runner.check_ledger()
+
+
+# -- random interleavings ----------------------------------------------------------------
+# A request is (prompt_len, max_tokens, prefix choice); an op is (kind, a, request), where kind
+# in 0..99 weights schedule and complete over the rest.
+REQUESTS = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2))
+OPS = st.tuples(st.integers(0, 99), st.integers(0, 7), REQUESTS)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_blocks=st.integers(12, 30), depth=st.sampled_from([1, 2, 3]),
+       budget=st.sampled_from([8, 16, 64]), seed=st.integers(0, 2**16),
+       initial=st.lists(REQUESTS, min_size=1, max_size=6), ops=st.lists(OPS, max_size=80))
+def test_ledger_under_random_interleavings(
+        num_blocks: int, depth: int, budget: int, seed: int,
+        initial: list[tuple[int, int, int]], ops: list[tuple[int, int, tuple[int, int, int]]]):
+    sched = make_scheduler(num_blocks=num_blocks, budget=budget)
+    runner = AsyncRunner(sched, random_drafts(random.Random(seed)))
+
+    def add(prompt_len: int, max_tokens: int, prefix: int) -> None:
+        # Prompt and output must fit the cache together, or the request could never finish.
+        prompt_len = min(prompt_len, (num_blocks - 1) * BS - max_tokens)
+        # Three first tokens: some prompts share prefixes, so resumes and new requests hit.
+        runner.add(make_request(f"r{len(runner.requests)}", prompt_len,
+                                first_token=(100, 100, 500)[prefix], max_tokens=max_tokens))
+
+    for req in initial:
+        add(*req)
+    for kind, a, req in ops:
+        if kind < 15:
+            add(*req)
+        elif kind < 20:
+            assert runner.reset() is True
+        elif kind < 25:
+            if sched.requests:
+                runner.abort(sorted(sched.requests)[a % len(sched.requests)])
+        elif kind < 62:
+            if len(runner.fifo) < depth:
+                runner.schedule()
+        elif runner.fifo:
+            runner.complete()
+    runner.drain(depth)
+    runner.check_ledger()
+
+
+# -- regressions: two scheduler bugs these tests found ----------------------------------------
+def test_reused_request_id_does_not_receive_the_old_requests_in_flight_output():
+    sched = make_scheduler()
+    sched.add_request(make_request("x", 5, max_tokens=4))
+    old_step = sched.schedule()                          # old "x" samples position 5
+    sched.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+    new = make_request("x", 8, first_token=300, max_tokens=4)
+    sched.add_request(new)                               # accepted: the id is free again
+    sched.schedule()                                     # new "x" samples position 8
+    outs = sched.update_from_output(
+        old_step, ModelRunnerOutput(req_ids=["x"], sampled_token_ids=[[target("x", 5)]]))
+    # The aborted request's token must not land in the new one, nor consume its placeholder.
+    assert outs == [] and new.output_token_ids == []
+    assert new.num_output_placeholders == 1
+
+
+def test_priority_preemption_of_an_idle_earlier_request_does_not_skip_the_next():
+    sched = make_scheduler(num_blocks=4, policy="priority")    # 3 usable blocks of 4
+    # A (low priority) has its only output token in flight, so it has nothing to schedule.
+    sched.add_request(make_request("A", 4, first_token=100, priority=5, arrival=0.0, max_tokens=1))
+    sched.schedule()
+    sched.add_request(make_request("B", 4, first_token=300, arrival=1.0))
+    sched.add_request(make_request("C", 3, first_token=500, arrival=2.0))
+    sched.schedule()                                           # B and C prefill: no block left
+    so = sched.schedule()
+    # B's decode needs a new block, so A is preempted; C's decode fits its block and must run.
+    assert so.num_scheduled_tokens == {"B": 1, "C": 1}

@@ -93,7 +93,7 @@ def test_smollm2_spec_decode_is_token_exact_and_accepts_drafts(smollm2_spec, smo
     got = run_greedy(smollm2_spec, prompts, 32)
     ref = reference(smollm2_path)
     assert got == [ref.greedy(p, 32) for p in prompts]
-    stats = smollm2_spec.engine.core.scheduler.spec_stats
+    stats = smollm2_spec.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 0 and stats.acceptance_rate > 0.3
     assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1]
 

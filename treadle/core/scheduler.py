@@ -13,6 +13,7 @@ next token is not back yet still gets its decode scheduled, no step can only ove
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import random
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.stats import SpecDecodingStats
+from treadle.core.stats import SchedulerStats, SpecDecodingStats
 from treadle.core.scheduler_output import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs)
 from treadle.request import Request, RequestStatus
@@ -387,6 +388,15 @@ class Scheduler:
             for request in reversed(list(self.running)):
                 self._preempt(request)
         return self.kv_cache.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.pool.usage(), prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits, num_preemptions=self.num_preemptions,
+            spec_decoding=dataclasses.replace(self.spec_stats,
+                                              accepted_per_position=list(self.spec_stats.accepted_per_position)))
 
     def num_in_flight_tokens(self) -> int:
         """Output tokens scheduled and not yet returned, stale ones included."""

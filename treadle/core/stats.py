@@ -1,4 +1,4 @@
-"""Counters the engine exposes: speculative decoding acceptance."""
+"""What the engine reports about itself: scheduler state and speculative decoding acceptance."""
 
 from __future__ import annotations
 
@@ -29,3 +29,16 @@ class SpecDecodingStats:
     def mean_accepted_length(self) -> float:
         """Tokens produced per verifying step: the accepted drafts plus the bonus token."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot; the counters are totals since start-up."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float          # fraction of blocks held by requests (cached-but-free is free)
+    prefix_cache_queries: int      # prompt tokens looked up
+    prefix_cache_hits: int         # of those, found in the cache
+    num_preemptions: int
+    spec_decoding: SpecDecodingStats

@@ -17,6 +17,7 @@ import torch
 from treadle.config import TreadleConfig
 from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.core.stats import SchedulerStats
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.request import Request, RequestStatus
 
@@ -200,6 +201,9 @@ class EngineCore:
             raise ValueError(f"tags must be among {', '.join(SLEEP_TAGS)}; got {sorted(unknown)}")
         self.executor.collective_rpc("wake_up", (tags,))
         self.asleep -= set(tags)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from treadle.config import EngineArgs
+from treadle.core.stats import SchedulerStats
 from treadle.engine.input_processor import PromptType
 from treadle.engine.llm_engine import LLMEngine
 from treadle.outputs import RequestOutput
@@ -109,6 +110,10 @@ class LLM:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.core.wake_up(tags)
+
+    def get_stats(self) -> SchedulerStats:
+        """Running/waiting counts, KV usage, prefix-cache, preemption and spec-decode counters."""
+        return self.engine.core.get_stats()
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

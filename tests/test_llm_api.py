@@ -159,6 +159,11 @@ def test_invalid_inputs_are_rejected_without_leaking(llm):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     with pytest.raises(TypeError, match="unknown engine arguments"):
         LLM(not_an_arg=1)
+    with pytest.raises(ValueError, match="tokenized"):
+        llm.generate("lone surrogate \ud800", use_tqdm=False)
+    # A top_k past the vocabulary means "no top-k", not an overflow on the engine's thread.
+    out = llm.generate("hi", SamplingParams(top_k=2**63 - 1, max_tokens=2, seed=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
     no_leaks(llm)
 
 

@@ -615,6 +615,26 @@ def test_delta_outputs_concatenate_to_cumulative(llama, reference, prompts):
     run_engine(llama, body, async_scheduling=True)
 
 
+def test_aborted_delta_stream_ends_with_only_what_is_new(llama, reference, prompts):
+    delta = greedy(24)
+    delta.output_kind = RequestOutputKind.DELTA
+
+    async def body(engine: AsyncLLM):
+        pieces, finals, aborts = [], [], []
+        async for out in engine.generate({"prompt_token_ids": prompts[0]}, delta, "d"):
+            pieces += out.outputs[0].token_ids
+            finals.append(out.outputs[0].finish_reason)
+            if len(pieces) >= 5 and not aborts:
+                aborts.append(asyncio.create_task(engine.abort("d")))
+        await aborts[0]
+        assert finals[-1] == "abort" and all(f is None for f in finals[:-1])
+        # The abort's output carries no token twice: the pieces are the stream's tokens once.
+        assert pieces == reference(llama).greedy(prompts[0], 24)[:len(pieces)]
+        assert_no_leaks(engine)
+
+    run_engine(llama, body, async_scheduling=True)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_abort_one_request(llama, reference, prompts, async_scheduling):
     ref = reference(llama)

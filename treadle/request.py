@@ -94,6 +94,7 @@ class Request:
         self.num_in_flight_steps = 0
         self.spec_token_ids: list[int] = []   # drafts proposed for the next step
         self.num_cached_tokens = -1
+        self.queue_time: float | None = None   # seconds from arrival to the first schedule
         self.num_preemptions = 0
 
         self._block_size = block_size

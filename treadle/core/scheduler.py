@@ -17,6 +17,7 @@ import dataclasses
 import heapq
 import logging
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     num_cached_tokens: int = 0
+    queue_time: float | None = None   # arrival to first schedule, seconds
 
 
 class WaitingQueue:
@@ -221,6 +223,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.queue_time = time.monotonic() - request.arrival_time
             self.running.append(request)
             scheduled_new.append(request)
             num_scheduled[request.request_id] = num_new
@@ -349,7 +352,7 @@ class Scheduler:
                 request_id=rid, new_token_ids=new_ids,
                 new_logprobs=lps[:len(new_ids)] if lps is not None else None,
                 new_prompt_logprobs=prompt_lps,
-                num_cached_tokens=max(request.num_cached_tokens, 0))
+                num_cached_tokens=max(request.num_cached_tokens, 0), queue_time=request.queue_time)
             if request.is_finished:
                 out.finish_reason = request.status.finish_reason
                 out.stop_reason = request.stop_reason

@@ -10,17 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import Future
 from typing import Any, AsyncGenerator, Callable, Iterable
 
 import torch
 
 from treadle.config import EngineArgs
 from treadle.core.scheduler import EngineCoreOutput
+from treadle.core.stats import SchedulerStats
 from treadle.engine.core import PAUSE_MODES, EngineCore, PauseMode
 from treadle.engine.core_thread import EngineCoreThread
 from treadle.engine.errors import EngineBusyError, EngineDeadError
 from treadle.engine.input_processor import InputProcessor, PromptType
 from treadle.engine.output_processor import OutputProcessor
+from treadle.metrics import PrometheusMetrics
 from treadle.models.loader import load_tokenizer
 from treadle.outputs import RequestOutput
 from treadle.request import Request, RequestStatus
@@ -39,7 +42,8 @@ class AsyncLLM:
         self.config = EngineArgs(model=model, **engine_args).create_config()
         self.tokenizer = load_tokenizer(self.config.model.model)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = PrometheusMetrics()
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics.requests)
         self.core = EngineCore(self.config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -100,8 +104,9 @@ class AsyncLLM:
         try:
             await asyncio.wrap_future(self._core.submit(self._add_to_core, requests))
         except BaseException:
+            # Cancelled while the engine thread may already have added it: abort it there too.
             self._streams.pop(request_id, None)
-            self.output_processor.abort_request(request_id)
+            self._abort_now(request_id)
             raise
         return stream
 
@@ -124,17 +129,19 @@ class AsyncLLM:
                                   "retry after resume_generation()")
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
-        """End requests now: each stream gets a final output with finish_reason "abort"."""
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            self._abort_now(rid)
+        """End requests now: each stream gets a final output with finish_reason "abort".
+        Returns once the engine has freed their KV blocks."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        done = [self._abort_now(rid) for rid in ids]
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in done if f is not None))
 
-    def _abort_now(self, request_id: str) -> None:
+    def _abort_now(self, request_id: str) -> Future | None:
+        """Abort without waiting; the future completes when the engine has dropped the request."""
         final, engine_ids = self.output_processor.abort_request(request_id)
-        if engine_ids:
-            self._core.submit(self.core.abort_requests, engine_ids)
         stream = self._streams.get(request_id)
         if final is not None and stream is not None:
             stream.put_nowait(final)
+        return self._core.submit(self.core.abort_requests, engine_ids) if engine_ids else None
 
     # -- outputs from the engine thread --------------------------------------------------
     def _bind_loop(self) -> None:
@@ -208,6 +215,19 @@ class AsyncLLM:
         async with self._lock():
             await self._call(self.core.resume)
             self._pause_mode = None
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError once the engine core has failed."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine core failed: {self._dead!r}")
+
+    async def get_stats(self) -> SchedulerStats:
+        """Running/waiting counts, KV usage, prefix-cache, preemption and spec-decode counters."""
+        return await self._call(self.core.get_stats)
+
+    async def render_metrics(self) -> bytes:
+        """Every `treadle:*` metric in the Prometheus text format."""
+        return self.metrics.render(await self.get_stats())
 
     async def is_paused(self) -> bool:
         return self._pause_mode is not None

@@ -44,7 +44,10 @@ class InputProcessor:
                 raise ValueError("prompt must be a string")
             if not text:
                 raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(text)
+            try:
+                ids = self.tokenizer.encode(text)
+            except (TypeError, UnicodeError) as e:   # e.g. a lone surrogate code point
+                raise ValueError(f"prompt cannot be tokenized: {e}") from None
         ids = list(ids)
         if not ids:
             raise ValueError("prompt must not be empty")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.core.scheduler import EngineCoreOutput
 from treadle.core.scheduler_output import TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.metrics import RequestMetrics
 from treadle.outputs import CompletionOutput, Logprob, RequestOutput
 from treadle.sampling_params import RequestOutputKind, SamplingParams
 
@@ -15,8 +17,9 @@ from treadle.sampling_params import RequestOutputKind, SamplingParams
 class TokenText:
     """Decodes single tokens for logprob entries, memoised."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, metrics: RequestMetrics | None = None) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self._memo: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
@@ -62,6 +65,12 @@ class RequestState:
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    # Timings for metrics, time.monotonic() seconds.
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,8 +78,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, metrics: RequestMetrics | None = None) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.token_text = TokenText(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.weight_version: Any = None
@@ -99,6 +109,7 @@ class OutputProcessor:
 
         `weight_version` is the engine's weight version when these tokens were produced."""
         self.weight_version = weight_version
+        now = time.monotonic()
         ready: dict[str, RequestOutput] = {}
         stopped_by_string: list[str] = []
         for out in outputs:
@@ -107,6 +118,9 @@ class OutputProcessor:
                 continue  # aborted meanwhile
             state, sample = entry
             state.num_cached_tokens = out.num_cached_tokens
+            state.queue_time = out.queue_time
+            if out.new_token_ids:
+                self._observe_tokens(state, len(out.new_token_ids), now)
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 first, entries = out.new_prompt_logprobs
                 for offset, lp in enumerate(entries):
@@ -128,7 +142,34 @@ class OutputProcessor:
                 self._retire(sample)
             if state.finished:
                 del self.requests[state.request_id]
+                self._observe_finished(state, now)
         return list(ready.values()), stopped_by_string
+
+    def _observe_tokens(self, state: RequestState, num_tokens: int, now: float) -> None:
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(num_tokens)
+            if state.first_token_at is None:
+                self.metrics.ttft.observe(now - state.arrival)
+            else:
+                self.metrics.itl.observe(now - state.last_token_at)
+        if state.first_token_at is None:
+            state.first_token_at = now
+        state.last_token_at = now
+        state.num_generated += num_tokens
+
+    def _observe_finished(self, state: RequestState, now: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        for sample in state.samples:
+            m.finished.labels(finished_reason=sample.finish_reason).inc()
+        m.prompt_tokens.inc(len(state.prompt_token_ids))
+        m.e2e.observe(now - state.arrival)
+        if state.queue_time is not None:
+            m.queue_time.observe(state.queue_time)
+        per_sample = state.num_generated / max(len(state.samples), 1)
+        if state.first_token_at is not None and per_sample > 1:
+            m.tpot.observe((now - state.first_token_at) / (per_sample - 1))
 
     def abort_request(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
         """Finish a request as aborted; returns its final output and its unfinished engine ids."""
@@ -136,12 +177,17 @@ class OutputProcessor:
         if state is None:
             return None, []
         engine_ids = []
+        aborted = []
         for sample in state.samples:
             if not sample.finished:
                 sample.finish_reason = "abort"
                 engine_ids.append(sample.engine_id)
+                aborted.append(sample)
                 self._retire(sample)
-        return self._build(state, delta_for=None), engine_ids
+        self._observe_finished(state, time.monotonic())
+        if state.params.output_kind == RequestOutputKind.DELTA:
+            return self._build(state, aborted, delta=True), engine_ids
+        return self._build(state, state.samples, delta=False), engine_ids
 
     def _retire(self, sample: SampleState) -> None:
         self.sample_of.pop(sample.engine_id, None)
@@ -149,22 +195,20 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, sample: SampleState) -> RequestOutput | None:
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY:
-            return self._build(state, delta_for=None) if state.finished else None
+            return self._build(state, state.samples, delta=False) if state.finished else None
         if kind == RequestOutputKind.DELTA:
-            return self._build(state, delta_for=sample)
-        return self._build(state, delta_for=None)
+            return self._build(state, [sample], delta=True)
+        return self._build(state, state.samples, delta=False)
 
-    def _build(self, state: RequestState, delta_for: SampleState | None) -> RequestOutput:
+    def _build(self, state: RequestState, samples: list[SampleState], delta: bool) -> RequestOutput:
+        """An output holding `samples`: everything so far, or (delta) only what is new."""
         completions = []
-        for sample in state.samples if delta_for is None else [delta_for]:
-            finished = sample.finished
-            if delta_for is None:
-                text = sample.detokenizer.get_next_output_text(finished, delta=False)
-                token_ids = list(sample.detokenizer.token_ids)
-                logprobs = sample.logprobs
-            else:
-                text = sample.detokenizer.get_next_output_text(finished, delta=True)
+        for sample in samples:
+            text = sample.detokenizer.get_next_output_text(sample.finished, delta=delta)
+            if delta:
                 token_ids, logprobs = self._take_delta(sample)
+            else:
+                token_ids, logprobs = list(sample.detokenizer.token_ids), sample.logprobs
             completions.append(CompletionOutput(
                 index=sample.index, text=text, token_ids=token_ids, logprobs=logprobs,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason))

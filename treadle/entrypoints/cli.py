@@ -1,4 +1,4 @@
-"""The `treadle` command: generate, chat, bench."""
+"""The `treadle` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    from treadle.entrypoints.openai import cli_args as serve_args
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description=serve_args.DESCRIPTION)
+    serve_args.add_cli_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=serve_args.main)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     from treadle.bench import throughput
@@ -161,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_cli_args(lat)
     add_engine_args(lat)
     lat.set_defaults(func=latency.main)
+    from treadle.bench import spec_decode
+    spec = bench_sub.add_parser("spec", help="n-gram speculative decoding against plain decoding",
+                                description=spec_decode.__doc__)
+    spec_decode.add_cli_args(spec)
+    add_engine_args(spec)
+    spec.set_defaults(func=spec_decode.main)
+    from treadle.bench import serve as bench_serve
+    srv = bench_sub.add_parser("serve", help="drive a running server over HTTP (TTFT, TPOT, ITL)",
+                               description=bench_serve.__doc__)
+    bench_serve.add_cli_args(srv)
+    srv.set_defaults(func=bench_serve.main)
     return parser
 
 

@@ -116,7 +116,7 @@ class Sampler:
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
     ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)

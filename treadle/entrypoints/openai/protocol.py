@@ -7,9 +7,9 @@ the models here only fix types, plus bounds that keep absurd integers away from 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # Integers go into int64 tensors in the engine; a larger one must be a 400, not a dead engine.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -20,6 +20,17 @@ MAX_N = 128
 class OpenAIModel(BaseModel):
     # Unknown fields are accepted and reported in the log, as vLLM does: clients send extras.
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's API takes null as "not set" ("n": null, "stream": null); where a field
+        cannot hold None, that means its default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)}
 
 
 class StreamOptions(OpenAIModel):

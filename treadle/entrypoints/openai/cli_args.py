@@ -1,0 +1,45 @@
+"""`treadle serve` flags. Kept apart from server.py so that `treadle --help` does not import
+FastAPI and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+               "/v1/chat/completions, ...) plus the RL controls (/pause, /resume, ...). "
+               "With no MODEL, the embedded SmolLM2-135M-Instruct.")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF folder or .gguf file (same as --model)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind [default: 127.0.0.1]")
+    g.add_argument("--port", type=int, default=8000, help="port to bind [default: 8000]")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use; the first is reported in responses "
+                        "[default: MODEL as given, or SmolLM2-135M-Instruct]")
+    g.add_argument("--api-key", default=os.environ.get("TREADLE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "[default: $TREADLE_API_KEY, else none]")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="longest prompt (chars or token ids) shown in request logs [default: all]")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running requests get to finish after SIGTERM/SIGINT before "
+                        "they are aborted [default: 10]")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (access log at info) [default: info]")
+
+
+def main(ns: argparse.Namespace) -> int:
+    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.openai.server import run_server
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    # A server's startup and request logs are its normal output, so they show without -v.
+    logging.getLogger("treadle.entrypoints.openai").setLevel(logging.INFO)
+    return run_server(ns, engine_args_from(ns))

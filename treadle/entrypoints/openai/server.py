@@ -1,0 +1,291 @@
+"""The FastAPI app and `run_server`: OpenAI-compatible endpoints, tokenizer endpoints, health,
+and the RL controls (pause/resume, prefix cache reset, weight reload, sleep/wake).
+
+`/metrics` serves every `treadle:*` metric in the Prometheus text format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import time
+from types import FrameType
+from typing import Annotated, Any, AsyncIterator, Literal
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import treadle
+from treadle.engine.async_llm import AsyncLLM
+from treadle.engine.errors import EngineBusyError, EngineDeadError
+from treadle.entrypoints.openai.errors import OpenAIError, error_response
+from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeRequest,
+                                                  UpdateWeightsRequest)
+from treadle.entrypoints.openai.serving import OpenAIServing
+from treadle.entrypoints.openai.serving_chat import ChatServing
+from treadle.entrypoints.openai.serving_completion import CompletionServing
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # the embedded model, when no MODEL is given
+
+
+class APIKeyMiddleware:
+    """Every path but /health needs `Authorization: Bearer <key>`. Plain ASGI, so streamed
+    responses and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key "
+                                               "(expected 'Authorization: Bearer <key>')")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
+              api_key: str | None = None, max_log_len: int | None = None) -> FastAPI:
+    """The app serving `engine`; it shuts the engine down when the app stops."""
+    serving = OpenAIServing(engine, model_names, max_log_len)
+    completions, chat = CompletionServing(serving), ChatServing(serving)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
+    app.state.serving = serving   # _Server flags it at shutdown
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+
+    # -- OpenAI API --------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "treadle",
+             "root": model_path, "parent": None, "max_model_len": engine.max_model_len}
+            for name in model_names]}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(body, raw)
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        serving.check_request(body, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt and messages")
+        if body.messages is not None:
+            _, tokens = serving.encode_chat(body.messages, body.add_generation_prompt)
+        else:
+            tokens = serving.encode(body.prompt, body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        serving.check_request(body, body.model)
+        vocab = len(serving.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"tokens contains {bad[0]}, outside the vocabulary [0, {vocab})",
+                              "tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        tok = serving.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "vocab_size": len(tok),
+                "model_max_length": engine.max_model_len, "bos_token": tok.bos_token,
+                "bos_token_id": tok.bos_token_id, "eos_token": tok.eos_token,
+                "eos_token_id": engine.input_processor.eos_token_id, "pad_token": tok.pad_token,
+                "unk_token": tok.unk_token, "chat_template": tok.chat_template}
+
+    # -- service -----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if serving.shutting_down:
+            return error_response(503, "the server is shutting down")
+        await engine.check_health()   # EngineDeadError -> 500
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": treadle.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- RL controls -------------------------------------------------------------------------
+    @app.post("/pause")
+    async def pause(mode: Literal["abort", "wait", "keep"] = "abort",
+                    clear_cache: bool = True) -> dict:
+        await _control(engine.pause_generation(mode=mode, clear_cache=clear_cache))
+        return {"status": "paused", "mode": mode}
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        await engine.resume_generation()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict:
+        return {"is_paused": await engine.is_paused()}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> dict:
+        return {"success": await _control(engine.reset_prefix_cache(reset_running_requests))}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict:
+        count = await _control(engine.load_weights(body.path, body.weight_version))
+        return {"success": True, "num_tensors": count,
+                "weight_version": await engine.get_weight_version()}
+
+    @app.get("/weight_version")
+    async def weight_version() -> dict:
+        return {"weight_version": await engine.get_weight_version()}
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> dict:
+        await _control(engine.sleep(level))
+        return {"status": "sleeping", "level": level}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict:
+        await _control(engine.wake_up(tags))
+        return {"status": "awake"}
+
+    return app
+
+
+async def _control(call: Any) -> Any:
+    """An RL control: bad arguments are a 400, a state that forbids it (running requests) a 409."""
+    try:
+        return await call
+    except (ValueError, OSError) as e:
+        raise OpenAIError(400, str(e)) from None
+    except EngineDeadError:
+        raise
+    except RuntimeError as e:
+        raise OpenAIError(409, str(e)) from None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> Response:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON: {first.get('ctx', {}).get('error', '')}")
+        messages = []
+        for e in errors:
+            loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query"))
+            messages.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(400, "; ".join(messages), param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineBusyError)
+    async def engine_busy(_: Request, exc: EngineBusyError) -> Response:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> Response:
+        logger.error("%s %s: %s", request.method, request.url.path, exc)
+        return error_response(500, "the engine failed; see the server log")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after this response is sent, and uvicorn logs the traceback.
+        logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+        return error_response(500, "internal server error; see the server log")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with a graceful shutdown that ends open streams cleanly.
+
+    On SIGTERM/SIGINT uvicorn stops accepting and waits for open connections; here new
+    generation requests also get 503, running ones have `shutdown_timeout` seconds to finish,
+    then the rest are aborted, so their streams end with finish_reason "abort" and [DONE].
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, engine: AsyncLLM,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._engine = engine
+        self._shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's own handler, except that it does not keep the signal to re-raise after
+        # serve() returns: a signal is how this server is meant to stop, and it exits 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self._app.state.serving.shutting_down = True   # new generation requests get 503
+        drain = asyncio.create_task(self._drain())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._shutdown_timeout
+        engine = self._engine
+        while engine.output_processor.has_unfinished_requests() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.output_processor.has_unfinished_requests():
+            logger.info("aborting the requests still running after %.1f s", self._shutdown_timeout)
+            # Pausing in abort mode ends every request, and refuses any that races in.
+            await engine.pause_generation(mode="abort", clear_cache=False)
+
+
+def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    """Build the engine, then serve until SIGTERM/SIGINT; returns the exit code."""
+    logger.info("loading the engine")
+    engine = AsyncLLM(**engine_args)
+    model_path = engine.config.model.model
+    names = ns.served_model_name or [engine_args.get("model") or DEFAULT_SERVED_NAME]
+    app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                            timeout_graceful_shutdown=ns.shutdown_timeout + 10)
+    server = _Server(config, app, engine, ns.shutdown_timeout)
+    logger.info("engine ready; serving it as %s", ", ".join(names))
+    server.run()
+    return 0

@@ -1,0 +1,183 @@
+"""POST /v1/completions.
+
+`echo` with `logprobs` follows what lm-evaluation-harness's `local-completions` loglikelihood
+path reads: the text starts with the prompt, and `tokens`, `token_logprobs`, `top_logprobs`
+and `text_offset` cover the prompt tokens (the first has no logprob: null) and then the
+generated ones. `echo` with `max_tokens: 0` returns the prompt alone, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from treadle.entrypoints.openai.errors import OpenAIError
+from treadle.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
+                                                  CompletionRequest, CompletionResponse)
+from treadle.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, clamp_logprob, usage
+from treadle.entrypoints.openai.streams import PromptStreams
+from treadle.outputs import RequestOutput
+from treadle.sampling_params import RequestOutputKind
+
+
+class CompletionServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        serving = self.serving
+        serving.check_request(req, req.model)
+        serving.check_unsupported(req)
+        if req.suffix is not None:
+            raise OpenAIError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(400, "best_of is not supported (it must equal n)", "best_of")
+        prompts = self._prompts(req)
+        # Echo with max_tokens 0 scores the prompt only; the engine still makes one token.
+        prompt_only = req.echo and req.max_tokens == 0
+        params = serving.sampling_params(
+            req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
+            max_tokens=1 if prompt_only else req.max_tokens, logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+        for p in prompts:
+            serving.validate(params, p["prompt_token_ids"])
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        render = _Renderer(serving, req, request_id, prompts, prompt_only)
+        return await serving.run(raw, request_id, prompts, params, req.priority, req.stream,
+                                 render.response, render.chunks)
+
+    def _prompts(self, req: CompletionRequest) -> list[dict[str, Any]]:
+        """A str, a list of str, a list of token ids, or a list of lists: one dict per prompt."""
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError(400, "prompt must not be empty", "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append({"prompt": p, "prompt_token_ids": self.serving.encode(p)})
+            else:
+                out.append({"prompt": None, "prompt_token_ids": list(p)})
+        return out
+
+
+class _Renderer:
+    """Turns engine outputs into one completion response or its stream of chunks.
+
+    Choice i * n + k is sample k of prompt i, as in OpenAI's API.
+    """
+
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest, request_id: str,
+                 prompts: list[dict[str, Any]], prompt_only: bool) -> None:
+        self.serving = serving
+        self.req = req
+        self.prompt_only = prompt_only
+        decode = serving.tokenizer.decode
+        self.prompt_texts = [decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"]
+                             for p in prompts]
+        self.id = request_id
+        self.created = int(time.time())
+
+    # -- whole response --------------------------------------------------------------------
+    def response(self, finals: list[RequestOutput]) -> Response:
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                text, ids, lps = c.text, c.token_ids, c.logprobs
+                if self.prompt_only:
+                    text, ids, lps = "", [], []
+                choices.append(self._choice(i, out, c.index, text, ids, lps, echo=self.req.echo,
+                                            offset=0, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+        body = CompletionResponse(id=self.id, created=self.created, model=self.serving.model_name,
+                                  choices=choices,
+                                  usage=usage(finals, count_completion=not self.prompt_only))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    # -- streamed ----------------------------------------------------------------------------
+    async def chunks(self, firsts: list[RequestOutput], streams: PromptStreams
+                     ) -> AsyncIterator[CompletionResponse]:
+        n = self.req.n
+        progress = [ChoiceProgress() for _ in range(len(firsts) * n)]
+        offsets = [0] * len(progress)   # text_offset of the next token, per choice
+        latest = list(firsts)
+
+        def chunk(i: int, out: RequestOutput) -> CompletionResponse | None:
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                first = progress[index].num_tokens == 0 and progress[index].text_len == 0
+                delta = progress[index].take(c)
+                if delta is None:
+                    continue
+                echo = self.req.echo and first
+                text, ids, lps = delta.text, delta.token_ids, delta.logprobs
+                if self.prompt_only:
+                    text, ids, lps = "", [], []
+                choice = self._choice(i, out, c.index, text, ids, lps, echo, offsets[index],
+                                      delta.finish_reason, delta.stop_reason)
+                lp = choice.logprobs
+                if lp is not None and lp.tokens:
+                    offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+                choices.append(choice)
+            if not choices:
+                return None
+            return CompletionResponse(id=self.id, created=self.created,
+                                      model=self.serving.model_name, choices=choices)
+
+        for i, out in enumerate(firsts):
+            if (c := chunk(i, out)) is not None:
+                yield c
+        async for i, out in streams:
+            latest[i] = out
+            if (c := chunk(i, out)) is not None:
+                yield c
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield CompletionResponse(id=self.id, created=self.created,
+                                     model=self.serving.model_name, choices=[],
+                                     usage=usage(latest, count_completion=not self.prompt_only))
+
+    # -- one choice ----------------------------------------------------------------------------
+    def _choice(self, i: int, out: RequestOutput, k: int, text: str, ids: list[int],
+                lps: list | None, echo: bool, offset: int, finish_reason: str | None,
+                stop_reason: int | str | None) -> CompletionChoice:
+        """`echo` puts the prompt (its text, tokens and logprobs) in front of this part."""
+        logprobs = None
+        if self.req.logprobs is not None:
+            if echo:
+                ids = out.prompt_token_ids + ids
+                lps = (out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + (lps or [])
+            logprobs = self._logprobs(ids, lps or [], offset)
+        if echo:
+            text = self.prompt_texts[i] + text
+        return CompletionChoice(index=i * self.req.n + k, text=text, logprobs=logprobs,
+                                finish_reason=finish_reason, stop_reason=stop_reason)
+
+    def _logprobs(self, ids: list[int], entries: list, offset: int) -> CompletionLogProbs:
+        """OpenAI's legacy logprobs: a null entry (the first prompt token) has no logprob."""
+        result = CompletionLogProbs()
+        decode = self.serving.tokenizer.decode
+        for token_id, entry in zip(ids, entries):
+            if entry is None:
+                token = decode([token_id])
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                chosen = entry[token_id]
+                token = chosen.decoded_token
+                if token is None:
+                    token = decode([token_id])
+                result.token_logprobs.append(clamp_logprob(chosen.logprob))
+                # The chosen token plus the top `logprobs`, keyed by text as OpenAI does.
+                result.top_logprobs.append({
+                    (lp.decoded_token if lp.decoded_token is not None else decode([tid])):
+                        clamp_logprob(lp.logprob) for tid, lp in entry.items()})
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result

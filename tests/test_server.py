@@ -682,3 +682,18 @@ def test_200_concurrent_streams_a_third_disconnecting(server):
     assert grew["abort"] + grew["length"] == 200
     assert grew["abort"] >= len(leave_after) // 2
     assert after[("treadle:kv_cache_usage_perc", ())] == 0.0
+
+
+def test_bench_serve_against_this_server(server, llama, tmp_path):
+    from treadle.entrypoints.cli import main
+
+    result, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{server.port}",
+                 "--tokenizer", llama, "--num-prompts", "6", "--max-concurrency", "3",
+                 "--request-rate", "50", "--input-len", "8,24", "--output-len", "5", "--no-tqdm",
+                 "--save-result", str(result), "--plot", str(plot)]) == 0
+    summary = json.loads(result.read_text())["summary"]
+    assert summary["completed"] == 6 and summary["errors"] == 0
+    assert summary["output_tokens"] == 30
+    assert summary["ttft"]["mean_ms"] > 0 and summary["tpot"]["mean_ms"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,7 @@
-"""N-gram speculative decoding against plain decoding, on two workloads, in one process:
+"""N-gram speculative decoding against plain decoding, on three workloads, in one process:
   - rewrite: chat prompts asking the model to copy a code snippet (drafts should hit);
-  - random: prompts of random ordinary tokens (drafts rarely hit).
+  - chat: open questions through the chat template (natural text, few repeats);
+  - random: prompts of random ordinary tokens (small models often loop on these).
 Each request generates exactly --output-len tokens (greedy, ignore_eos). Reports output
 tokens/s with and without drafts, the speed-up, the acceptance rate and the mean accepted
 length (tokens per verifying step, bonus included), and checks the outputs are identical."""
@@ -43,15 +44,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-json", default=None, metavar="PATH", help="also save the figures here")
 
 
-def rewrite_prompts(tokenizer: Any, num: int) -> list[list[int]]:
+_QUESTIONS = [
+    "Why do leaves change colour in autumn?",
+    "Give three tips for a first-time gardener.",
+    "What was the Silk Road, and why did it matter?",
+    "How does a bicycle stay upright while moving?",
+]
+
+
+def chat_prompts(tokenizer: Any, contents: list[str]) -> list[list[int]]:
     prompts = []
-    for i in range(num):
-        code = _SNIPPETS[i % len(_SNIPPETS)]
-        messages = [{"role": "user", "content":
-                     f"Rewrite this Python code exactly as it is:\n```python\n{code}```"}]
+    for content in contents:
+        messages = [{"role": "user", "content": content}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
+
+
+def rewrite_prompts(tokenizer: Any, num: int) -> list[list[int]]:
+    return chat_prompts(tokenizer, [
+        f"Rewrite this Python code exactly as it is:\n```python\n{_SNIPPETS[i % len(_SNIPPETS)]}```"
+        for i in range(num)])
 
 
 def _timed(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
@@ -77,6 +90,7 @@ def main(ns: argparse.Namespace) -> int:
     seed = engine_args.get("seed") or 0
     workloads = {
         "rewrite": rewrite_prompts(tokenizer, ns.num_prompts),
+        "chat": chat_prompts(tokenizer, [_QUESTIONS[i % len(_QUESTIONS)] for i in range(ns.num_prompts)]),
         "random": make_workload(tokenizer, ns.num_prompts, (ns.random_input_len,) * 2,
                                 (ns.output_len,) * 2, seed).prompts,
     }
@@ -113,7 +127,7 @@ def main(ns: argparse.Namespace) -> int:
     for name, r in results.items():
         out.write(f"| {name} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
                   f"{r['acceptance_rate']:.0%} | {r['mean_accepted_length']:.2f} |\n")
-    out.write("\ngreedy output identical with and without drafts on both workloads\n")
+    out.write("\ngreedy output identical with and without drafts on every workload\n")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump({"command": " ".join(["treadle", *sys.argv[1:]]), "machine": host,

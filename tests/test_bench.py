@@ -1,0 +1,38 @@
+"""The benchmarks run end to end on a tiny model and write the figures they promise."""
+
+from __future__ import annotations
+
+import json
+
+from treadle.entrypoints.cli import main
+
+
+def test_bench_latency_compares_sync_and_async(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", tiny_checkpoints["llama"], "--compare-async",
+                 "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "2",
+                 "--num-iters-warmup", "0", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"sync", "async"}
+    assert report["results"]["async"]["iters"] == 2
+    assert "async speed-up over sync" in capsys.readouterr().out
+
+
+def test_bench_throughput_compare_async(tiny_checkpoints, tmp_path):
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", tiny_checkpoints["qwen3"], "--compare-async",
+                 "--num-prompts", "3", "--input-len-range", "8,40", "--output-len-range", "4,12",
+                 "--no-tqdm", "--output-json", str(out)]) == 0
+    names = [r["name"] for r in json.loads(out.read_text())["results"]]
+    assert names == ["treadle", "treadle (async)"]   # it raises if their outputs differ
+
+
+def test_bench_spec_reports_every_workload(tiny_checkpoints, tmp_path):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", tiny_checkpoints["llama"], "--num-prompts", "1",
+                 "--output-len", "12", "--output-json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"rewrite", "chat", "random"}
+    for r in results.values():
+        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
+        assert 0 <= r["acceptance_rate"] <= 1

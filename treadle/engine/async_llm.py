@@ -26,7 +26,7 @@ from treadle.engine.output_processor import OutputProcessor
 from treadle.metrics import PrometheusMetrics
 from treadle.models.loader import load_tokenizer
 from treadle.outputs import RequestOutput
-from treadle.request import Request, RequestStatus
+from treadle.request import RequestStatus
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -102,24 +102,13 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, ids, params,
                                           [r.request_id for r in requests])
         try:
-            await asyncio.wrap_future(self._core.submit(self._add_to_core, requests))
+            await asyncio.wrap_future(self._core.submit(self.core.add_requests, requests))
         except BaseException:
             # Cancelled while the engine thread may already have added it: abort it there too.
             self._streams.pop(request_id, None)
             self._abort_now(request_id)
             raise
         return stream
-
-    def _add_to_core(self, requests: list[Request]) -> None:
-        """On the engine thread: all of a request's samples or none of them."""
-        added = []
-        try:
-            for r in requests:
-                self.core.add_request(r)
-                added.append(r.request_id)
-        except Exception:
-            self.core.abort_requests(added)
-            raise
 
     def _check_accepting(self) -> None:
         if self._dead is not None:

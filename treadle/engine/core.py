@@ -58,6 +58,17 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def add_requests(self, requests: list[Request]) -> None:
+        """All of a user request's samples (n > 1), or none of them."""
+        added = []
+        try:
+            for r in requests:
+                self.scheduler.add_request(r)
+                added.append(r.request_id)
+        except Exception:
+            self.abort_requests(added)
+            raise
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -34,14 +34,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.input_processor.tokenize(prompt)
         requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt)
-        added = []
-        try:
-            for r in requests:
-                self.core.add_request(r)
-                added.append(r.request_id)
-        except Exception:
-            self.core.abort_requests(added)
-            raise
+        self.core.add_requests(requests)
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in requests])
 
     def step(self) -> list[RequestOutput]:

@@ -156,29 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    from treadle.bench import throughput
-    tp = bench_sub.add_parser("throughput", help="offline throughput on a synthetic workload",
-                              description=throughput.__doc__)
-    throughput.add_cli_args(tp)
-    add_engine_args(tp)
-    tp.set_defaults(func=throughput.main)
-    from treadle.bench import latency
-    lat = bench_sub.add_parser("latency", help="end-to-end latency of one batch",
-                               description=latency.__doc__)
-    latency.add_cli_args(lat)
-    add_engine_args(lat)
-    lat.set_defaults(func=latency.main)
-    from treadle.bench import spec_decode
-    spec = bench_sub.add_parser("spec", help="n-gram speculative decoding against plain decoding",
-                                description=spec_decode.__doc__)
-    spec_decode.add_cli_args(spec)
-    add_engine_args(spec)
-    spec.set_defaults(func=spec_decode.main)
-    from treadle.bench import serve as bench_serve
-    srv = bench_sub.add_parser("serve", help="drive a running server over HTTP (TTFT, TPOT, ITL)",
-                               description=bench_serve.__doc__)
-    bench_serve.add_cli_args(srv)
-    srv.set_defaults(func=bench_serve.main)
+    from treadle.bench import latency, serve as bench_serve, spec_decode, throughput
+    for name, module, text, takes_engine_args in (
+            ("throughput", throughput, "offline throughput on a synthetic workload", True),
+            ("latency", latency, "end-to-end latency of one batch", True),
+            ("spec", spec_decode, "n-gram speculative decoding against plain decoding", True),
+            ("serve", bench_serve, "drive a running server over HTTP (TTFT, TPOT, ITL)", False)):
+        p = bench_sub.add_parser(name, help=text, description=module.__doc__)
+        module.add_cli_args(p)
+        if takes_engine_args:
+            add_engine_args(p)
+        p.set_defaults(func=module.main)
     return parser
 
 

@@ -615,6 +615,43 @@ def test_delta_outputs_concatenate_to_cumulative(llama, reference, prompts):
     run_engine(llama, body, async_scheduling=True)
 
 
+def test_delta_stream_with_n_samples_loses_nothing(llama, prompts):
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=16, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    cumulative = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)
+
+    async def body(engine: AsyncLLM):
+        pieces: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        finished: set[int] = set()
+        async for out in engine.generate({"prompt_token_ids": prompts[0]}, params, "d"):
+            for c in out.outputs:
+                pieces[c.index] += c.token_ids
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+        full = await consume(engine, "c", prompts[0], cumulative)
+        assert finished == {0, 1, 2}
+        assert [pieces[i] for i in range(3)] == [c.token_ids for c in full.outputs]
+        assert all(len(p) == 16 for p in pieces.values())
+
+    run_engine(llama, body, async_scheduling=True)
+
+
+def test_request_id_equal_to_another_requests_sample_id_is_refused(llama, prompts):
+    async def body(engine: AsyncLLM):
+        params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
+        started = asyncio.Event()
+        running = asyncio.create_task(
+            consume(engine, "x", prompts[0], params, on_output=lambda out: started.set()))
+        await started.wait()   # x and its samples 0_x, 1_x are in the engine
+        with pytest.raises(ValueError, match="already in use"):
+            await consume(engine, "0_x", prompts[1])
+        out = await running
+        assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+        assert_no_leaks(engine)
+
+    run_engine(llama, body)
+
+
 def test_aborted_delta_stream_ends_with_only_what_is_new(llama, reference, prompts):
     delta = greedy(24)
     delta.output_kind = RequestOutputKind.DELTA

@@ -213,4 +213,21 @@ def test_abort_at_any_step_frees_everything(abort_at):
     # 12 prompt tokens take 2 steps at 8 per step; each later step adds one token.
     assert r.num_output_tokens == max(0, abort_at - 1)
     runner.run()
-    assert "r" in sched.schedule().finished_req_ids   # the workers are told to drop its slot
+    # The workers are told to drop its slot with the next step that reaches them.
+    sched.add_request(make_request("next", 3, first_token=700))
+    assert "r" in sched.schedule().finished_req_ids
+
+
+def test_an_empty_async_step_keeps_the_ids_the_workers_must_drop():
+    # Empty steps never reach the workers, so they must not swallow finished ids.
+    sched = make_scheduler()
+    sched.add_request(make_request("A", 4, max_tokens=2))
+    sched.add_request(make_request("B", 4, first_token=300, max_tokens=5))
+    s1 = sched.schedule()                       # both prefill
+    s2 = sched.schedule()                       # both decode, S1 still in flight
+    sched.update_from_output(s1, ModelRunnerOutput(req_ids=["A", "B"], sampled_token_ids=[[7], [EOS]]))
+    s3 = sched.schedule()                       # A's in-flight output reaches max_tokens: nothing
+    assert s3.is_empty and not s3.finished_req_ids
+    sched.update_from_output(s2, ModelRunnerOutput(req_ids=["A", "B"], sampled_token_ids=[[8], [9]]))
+    sched.add_request(make_request("C", 4, first_token=500))
+    assert {"A", "B"} <= sched.schedule().finished_req_ids

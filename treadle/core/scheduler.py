@@ -7,8 +7,9 @@ prefill, decode, prefix-cache hits and resumption after preemption.
 
 With async scheduling the next step is scheduled before the previous one returns. Output still
 in flight is counted in tokens on each request (`num_output_placeholders`), so a request whose
-next token is not back yet still gets its decode scheduled, no step can only overshoot
-`max_tokens`, and a preemption or reset drops exactly the stale tokens that were in flight.
+next token is not back yet still gets its decode scheduled, no step is scheduled whose output
+could only go past `max_tokens`, and a preemption or reset drops exactly the stale tokens that
+were in flight.
 """
 
 from __future__ import annotations
@@ -244,8 +245,10 @@ class Scheduler:
             cached.new_block_ids.append(new_blocks_of[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
 
-        finished = self._finished_ids
-        self._finished_ids = set()
+        # An empty step never reaches the workers: keep the ids for the next one that does.
+        finished = self._finished_ids if num_scheduled else set()
+        if num_scheduled:
+            self._finished_ids = set()
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
@@ -283,7 +286,7 @@ class Scheduler:
             return 0, []   # what is in flight already reaches the limit
         num_new = min(request.num_tokens + in_flight - request.num_computed_tokens, budget)
         drafts: list[int] = []
-        if request.spec_token_ids and num_new == 1 and not in_flight:
+        if request.spec_token_ids and num_new == 1:
             # Room for 1 + k outputs: never propose past max_tokens or max_model_len.
             room = min(request.max_tokens - request.num_output_tokens,
                        self.max_model_len - request.num_tokens, budget) - 1

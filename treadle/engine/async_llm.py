@@ -234,7 +234,7 @@ class AsyncLLM:
         return await self._call(self.core.load_weights, path, weight_version)
 
     async def get_weight_version(self) -> Any:
-        return self.core.weight_version
+        return await self._call(lambda: self.core.weight_version)
 
     async def sleep(self, level: int = 1) -> None:
         await self._call(self.core.sleep, level)

@@ -18,6 +18,7 @@ from treadle.config import TreadleConfig
 from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
+from treadle.engine.errors import EngineDeadError
 from treadle.executor.uniproc import UniProcExecutor
 from treadle.request import Request, RequestStatus
 
@@ -113,7 +114,10 @@ class EngineCore:
 
     def _finish_oldest_step(self) -> list[EngineCoreOutput]:
         result, sched_out = self.batch_queue.popleft()
-        runner_out = result.result() if isinstance(result, Future) else result
+        try:
+            runner_out = result.result() if isinstance(result, Future) else result
+        except Exception as e:   # the step is lost: no state can be trusted after it
+            raise EngineDeadError(f"a model step failed: {e!r}") from e
         return self.scheduler.update_from_output(sched_out, runner_out)
 
     def drain(self) -> None:
@@ -137,7 +141,8 @@ class EngineCore:
         self.paused = True
         self.drain()
         if clear_cache:
-            assert self.reset_prefix_cache(reset_running_requests=True)
+            cleared = self.reset_prefix_cache(reset_running_requests=True)
+            assert cleared, "no block may be held once running requests are reset"
 
     def prepare_to_finish_requests(self) -> None:
         """Before waiting for every request to finish: requests kept by an earlier pause must run."""
@@ -201,7 +206,8 @@ class EngineCore:
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         self._check_quiet("sleep")
         # Kept requests lose their KV: they recompute after wake_up.
-        assert self.reset_prefix_cache(reset_running_requests=True)
+        cleared = self.reset_prefix_cache(reset_running_requests=True)
+        assert cleared, "no block may be held once running requests are reset"
         self.executor.collective_rpc("sleep", (level,))
         self.asleep = set(SLEEP_TAGS)
 

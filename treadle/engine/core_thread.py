@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from treadle.core.scheduler import EngineCoreOutput
 from treadle.engine.core import EngineCore
+from treadle.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -30,27 +31,35 @@ class EngineCoreThread:
         self._calls: queue.SimpleQueue[tuple[Callable, tuple, dict, Future] | None] = queue.SimpleQueue()
         self._idle_waiters: list[Future] = []
         self._stopping = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="treadle-engine-core", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
         """Run fn(*args, **kwargs) on the engine thread, between two steps."""
         future: Future = Future()
-        if self._stopping or not self._thread.is_alive():
-            future.set_exception(RuntimeError("the engine core has stopped"))
-            return future
-        self._calls.put((fn, args, kwargs, future))
+        with self._lock:   # not between the thread's last drain of the queue and its exit
+            if self._stopping:
+                future.set_exception(RuntimeError("the engine core has stopped"))
+            else:
+                self._calls.put((fn, args, kwargs, future))
         return future
 
     def when_idle(self) -> Future:
         """A future that completes once the core has no request and no step in flight."""
         future: Future = Future()
-        self.submit(self._idle_waiters.append, future)
+
+        def refused(registration: Future) -> None:   # the thread had stopped: never idle
+            if registration.exception() is not None and not future.done():
+                future.set_exception(registration.exception())
+
+        self.submit(self._idle_waiters.append, future).add_done_callback(refused)
         return future
 
     def stop(self) -> None:
-        self._stopping = True
-        self._calls.put(None)
+        with self._lock:
+            self._stopping = True
+            self._calls.put(None)
         self._thread.join()
 
     def _run(self) -> None:
@@ -68,10 +77,14 @@ class EngineCoreThread:
                     self._on_outputs(outputs, self.core.weight_version)
         except BaseException as exc:  # the engine is dead: tell every waiter why
             logger.exception("engine core failed")
-            self._stopping = True
+            with self._lock:
+                self._stopping = True
             self._on_error(exc)
-            self._fail_waiting_calls(exc)
+            self._fail_waiting_calls(f"the engine core failed: {exc!r}")
         finally:
+            with self._lock:
+                self._stopping = True
+            self._fail_waiting_calls("the engine core has stopped")
             self.core.shutdown()
 
     def _run_calls(self, block: bool) -> bool:
@@ -89,6 +102,9 @@ class EngineCoreThread:
                 continue
             try:
                 result = fn(*args, **kwargs)
+            except EngineDeadError as exc:   # a step failed inside the call: the engine is gone
+                future.set_exception(exc)
+                raise
             except Exception as exc:  # the caller's error, not the engine's
                 future.set_exception(exc)
                 continue
@@ -99,14 +115,15 @@ class EngineCoreThread:
                 self._on_outputs(pending, self.core.weight_version)
             future.set_result(result)
 
-    def _fail_waiting_calls(self, exc: BaseException) -> None:
+    def _fail_waiting_calls(self, reason: str) -> None:
         while True:
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
-                item[3].set_exception(RuntimeError(f"the engine core failed: {exc!r}"))
+            if item is not None and not item[3].done():
+                item[3].set_exception(RuntimeError(reason))
         for future in self._idle_waiters:
             if not future.done():
-                future.set_exception(RuntimeError(f"the engine core failed: {exc!r}"))
+                future.set_exception(RuntimeError(reason))
+        self._idle_waiters.clear()

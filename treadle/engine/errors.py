@@ -2,7 +2,7 @@
 
 
 class EngineBusyError(RuntimeError):
-    """Retryable: the engine is paused (mode "abort" or "wait") or shutting down."""
+    """Retryable: generation is paused in mode "abort" or "wait"."""
 
 
 class EngineDeadError(RuntimeError):

@@ -17,9 +17,8 @@ from treadle.sampling_params import RequestOutputKind, SamplingParams
 class TokenText:
     """Decodes single tokens for logprob entries, memoised."""
 
-    def __init__(self, tokenizer, metrics: RequestMetrics | None = None) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.metrics = metrics
         self._memo: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
@@ -89,6 +88,11 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, engine_ids: list[str]) -> None:
         """`engine_ids` names the engine-core request behind each of the n samples."""
+        taken = [e for e in engine_ids if e in self.sample_of]
+        if request_id in self.requests or taken:
+            raise ValueError(f"request_id {request_id!r} is already in use"
+                             + (f" (as the engine id of another request's sample {taken[0]!r})"
+                                if taken else ""))
         state = RequestState(request_id, prompt, prompt_token_ids, params)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
@@ -110,7 +114,8 @@ class OutputProcessor:
         `weight_version` is the engine's weight version when these tokens were produced."""
         self.weight_version = weight_version
         now = time.monotonic()
-        ready: dict[str, RequestOutput] = {}
+        # Per request, the samples this batch touched: one output each, every sample's delta in it.
+        changed: dict[str, tuple[RequestState, dict[int, SampleState]]] = {}
         stopped_by_string: list[str] = []
         for out in outputs:
             entry = self.sample_of.get(out.request_id)
@@ -135,15 +140,15 @@ class OutputProcessor:
                 stopped_by_string.append(out.request_id)
             elif out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            request_output = self._make_output(state, sample)
-            if request_output is not None:
-                ready[state.request_id] = request_output
+            changed.setdefault(state.request_id, (state, {}))[1][sample.index] = sample
             if sample.finished:
                 self._retire(sample)
             if state.finished:
                 del self.requests[state.request_id]
                 self._observe_finished(state, now)
-        return list(ready.values()), stopped_by_string
+        ready = [out for state, samples in changed.values()
+                 if (out := self._make_output(state, list(samples.values()))) is not None]
+        return ready, stopped_by_string
 
     def _observe_tokens(self, state: RequestState, num_tokens: int, now: float) -> None:
         if self.metrics is not None:
@@ -192,12 +197,12 @@ class OutputProcessor:
     def _retire(self, sample: SampleState) -> None:
         self.sample_of.pop(sample.engine_id, None)
 
-    def _make_output(self, state: RequestState, sample: SampleState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, changed: list[SampleState]) -> RequestOutput | None:
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY:
             return self._build(state, state.samples, delta=False) if state.finished else None
         if kind == RequestOutputKind.DELTA:
-            return self._build(state, [sample], delta=True)
+            return self._build(state, changed, delta=True)
         return self._build(state, state.samples, delta=False)
 
     def _build(self, state: RequestState, samples: list[SampleState], delta: bool) -> RequestOutput:

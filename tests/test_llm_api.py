@@ -222,3 +222,15 @@ def test_priority_policy_runs_urgent_requests_first(smollm2_path):
         prio.generate(["a", "b"], params, priority=[1], use_tqdm=False)
     outs = prio.generate(["a", "b"], params, priority=[1, 0], use_tqdm=False)
     assert [o.prompt for o in outs] == ["a", "b"]
+
+
+def test_engine_refuses_an_id_taken_by_another_requests_sample(llm):
+    engine = llm.engine
+    engine.add_request("x", "Hello", SamplingParams(n=2, max_tokens=2, temperature=0.8, seed=0))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("0_x", "Hello", SamplingParams(max_tokens=2))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finals] == ["x"] and len(finals[0].outputs) == 2
+    no_leaks(llm)

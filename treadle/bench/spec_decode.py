@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from treadle.bench.throughput import machine, make_workload
+from treadle.core.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -101,20 +102,19 @@ def main(ns: argparse.Namespace) -> int:
     for name, prompts in workloads.items():
         tokens = ns.num_prompts * ns.output_len
         t_plain, out_plain = _timed(plain, prompts, ns.output_len)
-        stats = drafted.engine.core.scheduler.spec_stats
-        before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        before = drafted.get_stats().spec_decoding
         t_spec, out_spec = _timed(drafted, prompts, ns.output_len)
         if out_spec != out_plain:
             raise RuntimeError(f"{name}: greedy output differs with speculative decoding")
-        drafts = stats.num_drafts - before[0]
-        draft_tokens = stats.num_draft_tokens - before[1]
-        accepted = stats.num_accepted_tokens - before[2]
+        after = drafted.get_stats().spec_decoding
+        run = SpecDecodingStats(num_drafts=after.num_drafts - before.num_drafts,
+                                num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+                                num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens)
         results[name] = {
             "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
-            "speedup": t_plain / t_spec,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
-            "verifying_steps": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "speedup": t_plain / t_spec, "acceptance_rate": run.acceptance_rate,
+            "mean_accepted_length": run.mean_accepted_length, "verifying_steps": run.num_drafts,
+            "draft_tokens": run.num_draft_tokens, "accepted_tokens": run.num_accepted_tokens,
         }
 
     out = sys.stdout

@@ -178,17 +178,16 @@ class EngineCore:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        weight_version: Any = None) -> int:
         """Copy (transformers name, tensor) pairs into the model in place; a subset is fine."""
-        self._check_quiet("update_weights")
-        self.drain()
-        count = self.executor.collective_rpc("update_weights", (list(named_tensors),))[0]
-        self._after_weight_change(weight_version)
-        return count
+        return self._change_weights("update_weights", list(named_tensors), weight_version)
 
     def load_weights(self, path: str, weight_version: Any = None) -> int:
         """Reload every weight from a folder or GGUF of the same architecture."""
-        self._check_quiet("load_weights")
+        return self._change_weights("load_weights", path, weight_version)
+
+    def _change_weights(self, worker_method: str, source: Any, weight_version: Any) -> int:
+        self._check_quiet(worker_method)
         self.drain()
-        count = self.executor.collective_rpc("load_weights", (path,))[0]
+        count = self.executor.collective_rpc(worker_method, (source,))[0]
         self._after_weight_change(weight_version)
         return count
 

@@ -30,12 +30,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None) -> None:
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.input_processor.tokenize(prompt)
         requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt)
-        self.core.add_requests(requests)
+        # The output processor refuses an id in use (its samples' ids too) before the core sees it.
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in requests])
+        try:
+            self.core.add_requests(requests)
+        except Exception:
+            self.output_processor.abort_request(request_id)
+            raise
 
     def step(self) -> list[RequestOutput]:
         outputs = self.core.step()

@@ -222,23 +222,21 @@ class ModelRunner:
         return out
 
     # -- RL controls: weights and sleep ------------------------------------------------
-    @torch.inference_mode()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy transformers-named tensors into the model in place; returns how many were set.
 
         A subset is fine, except after sleep(level=2), when every weight must come back.
         """
-        if self._weights_discarded:
-            self._materialize_weights()
-        loaded = self.model.load_weights(named_tensors, strict=self._weights_discarded)
-        self._weights_discarded = False
-        return len(loaded)
+        return self._copy_weights(named_tensors, strict=self._weights_discarded)
 
     def load_weights(self, path: str) -> int:
         """Reload every weight from a folder or GGUF of the same architecture."""
+        return self._copy_weights(iter_hf_weights(prepare_model(path)), strict=True)
+
+    def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
         if self._weights_discarded:
             self._materialize_weights()
-        loaded = self.model.load_weights(iter_hf_weights(prepare_model(path)), strict=True)
+        loaded = self.model.load_weights(weights, strict=strict)
         self._weights_discarded = False
         return len(loaded)
 

@@ -4,21 +4,58 @@ KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
 A step's tokens are laid out decodes first (one query token each), then prefill chunks.
   - New K/V are written in place through `slot_mapping`, before any attention reads the cache,
     so a request may read blocks another request of the same step is filling.
-  - Decodes are batched: whole blocks are gathered with `index_select` (contiguous copies),
-    padded to the longest sequence, and masked.
+  - Decodes are batched in chunks of similar length (longest first): whole blocks are
+    gathered with `index_select` into a reused buffer, padded to the chunk's longest sequence,
+    and masked. Chunks bound the gathered K/V so it stays in cache between the copy and SDPA.
   - Each prefill chunk attends to its cached context plus itself, with an explicit
     bottom-right-aligned causal mask (`is_causal=True` aligns top-left, which is wrong
     whenever the query is shorter than the keys).
-SDPA's `enable_gqa` avoids copying K/V out to every query head.
+Neither path copies K/V out to every query head (as transformers' repeat_kv does).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+# Padded key positions per decode chunk: ~3 MiB of fp32 K for 3 KV heads of 64, which stays in
+# cache from the gather to SDPA. Measured on 2 cores at 64 decodes of 300-700 tokens: 5x
+# faster per layer than one padded batch, and no slower for small batches.
+DECODE_CHUNK_TOKENS = 4096
+
+
+class GatherBuffer:
+    """Reused destination for gathered K/V blocks, grown on demand.
+
+    A fresh tensor per layer and step is not free: allocations past glibc's mmap threshold
+    (32 MiB at most) come back from the kernel page by page, every time.
+    """
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def take(self, cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [num_blocks, *block shape] tensors shaped like blocks of `cache` (K or V)."""
+        shape = (num_blocks, *cache.shape[1:])
+        numel = math.prod(shape)
+        if (self._k is None or self._k.numel() < numel or self._k.dtype != cache.dtype
+                or self._k.device != cache.device):
+            self._k = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+            self._v = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        return self._k[:numel].view(shape), self._v[:numel].view(shape)
+
+
+@dataclass
+class DecodeChunk:
+    rows: torch.Tensor          # [n] which decode tokens (rows of the step) this chunk holds
+    block_ids: torch.Tensor     # [n * max_blocks] their block tables, padded with the null block
+    mask: torch.Tensor          # [n, 1, 1, max_blocks * block_size] key positions in use
 
 
 @dataclass
@@ -32,11 +69,11 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor                 # [num_tokens] flat cache slot of each new token
-    num_decodes: int                           # the first num_decodes tokens are decodes
-    decode_block_table: torch.Tensor | None    # [num_decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None           # [num_decodes, 1, 1, max_blocks * block_size]
+    slot_mapping: torch.Tensor          # [num_tokens] flat cache slot of each new token
+    num_decodes: int                    # the first num_decodes tokens are decodes
+    decode_chunks: list[DecodeChunk]
     prefills: list[PrefillSpan]
+    gather_buffer: GatherBuffer
 
 
 def build_metadata(
@@ -46,6 +83,7 @@ def build_metadata(
     block_table: np.ndarray,
     block_size: int,
     device: torch.device,
+    gather_buffer: GatherBuffer,
 ) -> AttentionMetadata:
     """Metadata for one step.
 
@@ -58,14 +96,7 @@ def build_metadata(
 
     is_decode = (query_lens == 1) & (context_lens > 0)
     num_decodes = len(query_lens) if is_decode.all() else int(np.argmin(is_decode))
-    decode_table = decode_mask = None
-    if num_decodes:
-        seq_lens = context_lens[:num_decodes] + 1
-        max_blocks = -(-int(seq_lens.max()) // block_size)
-        decode_table = torch.from_numpy(block_table[:num_decodes, :max_blocks].astype(np.int64)).to(device)
-        key_pos = torch.arange(max_blocks * block_size, device=device)
-        lens = torch.from_numpy(seq_lens.astype(np.int64)).to(device)
-        decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+    decode_chunks = _decode_chunks(context_lens[:num_decodes] + 1, block_table, block_size, device)
 
     prefills = []
     start = num_decodes
@@ -81,7 +112,28 @@ def build_metadata(
             span.mask = key_pos[None, :] <= query_pos[:, None]
         prefills.append(span)
         start += q_len
-    return AttentionMetadata(slot_mapping, num_decodes, decode_table, decode_mask, prefills)
+    return AttentionMetadata(slot_mapping, num_decodes, decode_chunks, prefills, gather_buffer)
+
+
+def _decode_chunks(seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
+                   device: torch.device) -> list[DecodeChunk]:
+    """Decodes sorted longest first, cut into chunks of at most DECODE_CHUNK_TOKENS padded
+    key positions (a longer sequence gets a chunk of its own)."""
+    chunks = []
+    order = np.argsort(-seq_lens, kind="stable")
+    i = 0
+    while i < len(order):
+        max_blocks = -(-int(seq_lens[order[i]]) // block_size)
+        n = max(1, min(len(order) - i, DECODE_CHUNK_TOKENS // (max_blocks * block_size)))
+        rows = order[i:i + n]
+        i += n
+        key_pos = torch.arange(max_blocks * block_size, device=device)
+        lens = torch.from_numpy(seq_lens[rows].astype(np.int64)).to(device)
+        chunks.append(DecodeChunk(
+            rows=torch.from_numpy(rows.astype(np.int64)).to(device),
+            block_ids=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64).ravel()).to(device),
+            mask=(key_pos[None, :] < lens[:, None])[:, None, None, :]))
+    return chunks
 
 
 class TorchAttention:
@@ -89,6 +141,7 @@ class TorchAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.group_size = num_heads // num_kv_heads
         self.scale = scale
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -102,15 +155,18 @@ class TorchAttention:
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            table = meta.decode_block_table
-            kd = self._gather(k_cache, table.flatten()).view(nd, -1, self.num_kv_heads, self.head_dim)
-            vd = self._gather(v_cache, table.flatten()).view(nd, -1, self.num_kv_heads, self.head_dim)
+        for chunk in meta.decode_chunks:
+            n = chunk.rows.shape[0]
+            kd, vd = self._gather(k_cache, v_cache, chunk.block_ids, meta.gather_buffer)
+            # The query heads sharing a KV head become that head's queries: one query token
+            # sees the same keys from every head of a group. Several times faster than
+            # enable_gqa on CPU (6x in bf16).
             o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
-                attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
-            out[:nd] = o.squeeze(2)
+                q[chunk.rows].view(n, self.num_kv_heads, self.group_size, self.head_dim),
+                kd.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
+                vd.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
+                attn_mask=chunk.mask, scale=self.scale)
+            out[chunk.rows] = o.reshape(n, self.num_heads, self.head_dim)
         for span in meta.prefills:
             qp = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
             if span.context_len == 0:
@@ -118,8 +174,9 @@ class TorchAttention:
                 causal, mask = True, None
             else:
                 total = span.mask.shape[1]
-                kp = self._gather(k_cache, span.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:total]
-                vp = self._gather(v_cache, span.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:total]
+                kp, vp = self._gather(k_cache, v_cache, span.block_ids, meta.gather_buffer)
+                kp = kp.view(-1, self.num_kv_heads, self.head_dim)[:total]
+                vp = vp.view(-1, self.num_kv_heads, self.head_dim)[:total]
                 causal, mask = False, span.mask
             o = F.scaled_dot_product_attention(
                 qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
@@ -128,5 +185,8 @@ class TorchAttention:
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        return cache.index_select(0, block_ids)
+    def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                buffer: GatherBuffer) -> tuple[torch.Tensor, torch.Tensor]:
+        k_out, v_out = buffer.take(k_cache, block_ids.shape[0])
+        return (torch.index_select(k_cache, 0, block_ids, out=k_out),
+                torch.index_select(v_cache, 0, block_ids, out=v_out))

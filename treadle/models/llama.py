@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from treadle.attention.torch_backend import AttentionMetadata, TorchAttention
+from treadle.models import linear
+from treadle.models.linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +98,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # One fused GEMM for q, k and v.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
@@ -119,8 +121,8 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -168,10 +170,11 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.biases(config)
         self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self._packed_head: torch.Tensor | None = None
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -186,7 +189,20 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear.linear(hidden, weight, None, self._packed_head).float()
+
+    def pack_weights(self, device: torch.device) -> None:
+        """Pack the GEMM weights for the device's fastest kernel (see models/linear.py); again
+        after every weight change."""
+        linear.pack_weights(self, device)
+        self._packed_head = None
+        if linear.packing_supported(device):
+            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self._packed_head = linear.pack(head)
+
+    def unpack_weights(self) -> None:
+        linear.unpack_weights(self)
+        self._packed_head = None
 
     # -- weights ------------------------------------------------------------------
     def _fused_target(self, name: str) -> tuple[str, int, int] | None:

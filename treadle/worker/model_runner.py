@@ -9,7 +9,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from treadle.attention.torch_backend import build_metadata
+from treadle.attention.torch_backend import GatherBuffer, build_metadata
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from treadle.models.loader import iter_hf_weights, prepare_model
@@ -31,6 +31,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.gather_buffer = GatherBuffer()
         self.slots: RequestSlots | None = None
         self.sampler = Sampler(self.device)
         spec = config.speculative
@@ -49,6 +50,7 @@ class ModelRunner:
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         # RoPE tables stay fp32, as in transformers.
         self.model.model.rotary.float()
+        self.model.pack_weights(self.device)
         logger.info("loaded %s (%s) in %.1fs", cfg.model, model_cls.__name__,
                     time.perf_counter() - start)
 
@@ -126,7 +128,8 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
         token_slot = np.repeat(idx, q_lens)
         input_ids = slots.token_ids[token_slot, positions]
-        meta = build_metadata(q_lens, ctx, positions, slots.block_table[idx], self.block_size, self.device)
+        meta = build_metadata(q_lens, ctx, positions, slots.block_table[idx], self.block_size, self.device,
+                              self.gather_buffer)
 
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
@@ -238,13 +241,16 @@ class ModelRunner:
             self._materialize_weights()
         loaded = self.model.load_weights(weights, strict=strict)
         self._weights_discarded = False
+        self.model.pack_weights(self.device)
         return len(loaded)
 
     def sleep(self, level: int) -> None:
         """Level 1 frees the KV cache and moves weights to host memory (a no-op on CPU);
         level 2 discards the weights as well."""
         self.kv_caches = []
+        self.gather_buffer = GatherBuffer()
         if level >= 2:
+            self.model.unpack_weights()
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             self._weights_discarded = True

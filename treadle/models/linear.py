@@ -1,0 +1,70 @@
+"""Linear layers whose weights are packed once for oneDNN on CPU.
+
+`F.linear` on CPU calls MKL's sgemm, which re-packs the weight matrix on every call. At decode
+batch sizes that packing costs about as much as the multiply. A weight packed once into
+oneDNN's blocked layout measured, for SmolLM2's 30 layers on 2 cores (fp32), 2.1x faster at 37
+rows and 1.16x at 2,048 rows (docs/benchmarks.md).
+
+The packed copy lives beside the weight, which stays the source of truth for loading and RL
+weight updates: call `pack_weights(model)` after any change to the weights, and
+`unpack_weights(model)` before they are discarded. Packing costs one extra copy of each
+packed weight in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def packing_supported(device: torch.device) -> bool:
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a [out, in] weight, or None where oneDNN can't take its dtype."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError as exc:
+        logger.debug("not packing a %s weight: %s", weight.dtype, exc)
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that uses its packed weight when it has one. Inputs are [tokens, in]."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+def pack_weights(model: nn.Module, device: torch.device) -> int:
+    """(Re)pack every `Linear` of `model`; returns how many were packed."""
+    if not packing_supported(device):
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = pack(module.weight)
+            count += module.packed is not None
+    return count
+
+
+def unpack_weights(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = None

@@ -21,13 +21,27 @@ from treadle.core.stats import SpecDecodingStats
 logger = logging.getLogger(__name__)
 
 _SNIPPETS = [
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-    "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n"
-    "        if n % d == 0:\n            return False\n    return True\n",
-    "def word_counts(text):\n    counts = {}\n    for word in text.split():\n"
-    "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n        self.capacity = capacity\n        self.items = {}\n\n"
+    "    def get(self, key):\n        if key not in self.items:\n            return None\n"
+    "        value = self.items.pop(key)\n        self.items[key] = value\n        return value\n\n"
+    "    def put(self, key, value):\n        if key in self.items:\n            self.items.pop(key)\n"
+    "        elif len(self.items) >= self.capacity:\n            oldest = next(iter(self.items))\n"
+    "            self.items.pop(oldest)\n        self.items[key] = value\n",
+    "def merge_sort(values):\n    if len(values) <= 1:\n        return values\n    middle = len(values) // 2\n"
+    "    left = merge_sort(values[:middle])\n    right = merge_sort(values[middle:])\n    merged = []\n"
+    "    i = j = 0\n    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n"
+    "            merged.append(left[i])\n            i += 1\n        else:\n            merged.append(right[j])\n"
+    "            j += 1\n    merged.extend(left[i:])\n    merged.extend(right[j:])\n    return merged\n",
+    "def word_counts(path):\n    counts = {}\n    with open(path) as f:\n        for line in f:\n"
+    "            for word in line.lower().split():\n                word = word.strip('.,;:!?')\n"
+    "                if not word:\n                    continue\n                counts[word] = counts.get(word, 0) + 1\n"
+    "    ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)\n"
+    "    for word, count in ranked[:10]:\n        print(f'{word}: {count}')\n    return ranked\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
+    "        self.items.append(item)\n\n    def pop(self):\n        if not self.items:\n"
+    "            raise IndexError('pop from an empty stack')\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        if not self.items:\n            return None\n        return self.items[-1]\n\n"
+    "    def __len__(self):\n        return len(self.items)\n",
 ]
 
 
@@ -53,19 +67,26 @@ _QUESTIONS = [
 ]
 
 
-def chat_prompts(tokenizer: Any, contents: list[str]) -> list[list[int]]:
+def chat_prompts(tokenizer: Any, contents: list[str], system: str | None = None) -> list[list[int]]:
     prompts = []
     for content in contents:
         messages = [{"role": "user", "content": content}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
 
 
+_REWRITE_SYSTEM = ("You copy code. Reply with the code exactly as given, in a python code block, "
+                   "and nothing else.")
+
+
 def rewrite_prompts(tokenizer: Any, num: int) -> list[list[int]]:
-    return chat_prompts(tokenizer, [
-        f"Rewrite this Python code exactly as it is:\n```python\n{_SNIPPETS[i % len(_SNIPPETS)]}```"
-        for i in range(num)])
+    """Snippets of 104-142 tokens, about as long as the default output, so the answer is
+    mostly the copy (with a 60-token snippet, half the answer was the model's chatter)."""
+    return chat_prompts(tokenizer, [f"```python\n{_SNIPPETS[i % len(_SNIPPETS)]}```" for i in range(num)],
+                        system=_REWRITE_SYSTEM)
 
 
 def _timed(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:

@@ -163,14 +163,14 @@ def _preemptions(llm: Any) -> int | None:
     return getattr(getattr(getattr(llm.engine, "core", None), "scheduler", None), "num_preemptions", None)
 
 
-def load_hf_model(model_path: str) -> Any:
+def load_hf_model(model_path: str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
     if model_path.endswith(".gguf") and os.path.isfile(model_path):
         model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.eval()
 
 
@@ -312,8 +312,9 @@ def main(ns: argparse.Namespace) -> int:
         # Free the engine's weights and KV cache before the second copy is loaded.
         del llm
         gc.collect()
-        logger.info("loading %s in transformers (not timed)", model_path)
-        model = load_hf_model(model_path)
+        # Same dtype as the engine, so --dtype bfloat16 compares like with like.
+        logger.info("loading %s in transformers, %s (not timed)", model_path, resolved["dtype"])
+        model = load_hf_model(model_path, getattr(torch, resolved["dtype"]))
         if warm is not None:
             run_hf(model, warm, 1, pad)
         hf_result, hf_tokens = run_hf(model, work, ns.hf_batch_size, pad)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from treadle import LLM, SamplingParams
+from treadle.attention import torch_backend
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. Then the dog",
@@ -105,3 +106,15 @@ def test_smollm2_chunked_preempted_mixed_lengths(smollm2_path, reference):
 def test_smollm2_one_sequence_at_a_time(smollm2_path, reference):
     llm = LLM(smollm2_path, max_num_seqs=1, max_num_batched_tokens=48)
     assert_matches_reference(llm, reference(smollm2_path), prompt_ids(llm)[:3])
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_chunks_match_transformers(tiny_checkpoints, reference, arch, budget, monkeypatch):
+    """Decodes are sorted longest first and cut into chunks; with a tiny chunk budget every
+    chunk holds one or two requests, out of the step's order, so a row sent to or read back
+    from the wrong place shows."""
+    monkeypatch.setattr(torch_backend, "DECODE_CHUNK_TOKENS", budget)
+    path = tiny_checkpoints[arch]
+    llm = LLM(path, block_size=16)
+    assert_matches_reference(llm, reference(path), prompt_ids(llm), max_tokens=40)

@@ -109,3 +109,24 @@ def test_gather_buffer_grows_and_is_reused():
     assert k3.shape == (6, 16, 2, 8)
     k4, _ = buf.take(cache.double(), 1)
     assert k4.dtype == torch.float64             # another dtype: a fresh buffer
+
+
+@needs_packing
+def test_model_load_weights_through_collective_rpc_repacks(tiny_checkpoints):
+    """RL frameworks load weights from a worker-side function; the packed GEMMs follow."""
+    llm = LLM(tiny_checkpoints["qwen2"], num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [7, 11, 13, 17, 19, 23]}]
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    name = "model.layers.0.mlp.down_proj.weight"
+    original = llm.collective_rpc(lambda w: dict(w.runner.model.named_parameters())[name].detach().clone())[0]
+
+    def load(worker, tensor):
+        return len(worker.runner.model.load_weights([(name, tensor)], strict=False))
+
+    assert llm.collective_rpc(load, args=(original * 50,)) == [1]
+    changed = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.collective_rpc(load, args=(original,)) == [1]
+    restored = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert changed != before
+    assert restored == before

@@ -6,9 +6,9 @@ oneDNN's blocked layout measured, for SmolLM2's 30 layers on 2 cores (fp32), 2.1
 rows and 1.16x at 2,048 rows (docs/benchmarks.md).
 
 The packed copy lives beside the weight, which stays the source of truth for loading and RL
-weight updates: call `pack_weights(model)` after any change to the weights, and
-`unpack_weights(model)` before they are discarded. Packing costs one extra copy of each
-packed weight in memory.
+weight updates. The packed copy is a snapshot, so it must be packed again after any change
+to the weights (the model's `load_weights` does this), and unpacked before they are
+discarded. Packing costs one extra copy of each packed weight in memory.
 """
 
 from __future__ import annotations

@@ -157,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names mirror transformers' (`model.layers.N...`), except the fused projections."""
 
     qk_norm = False
+    is_packed = False    # whether the GEMMs run on packed copies of the weights
 
     @staticmethod
     def biases(config) -> tuple[bool, bool]:
@@ -191,18 +192,21 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear.linear(hidden, weight, None, self._packed_head).float()
 
-    def pack_weights(self, device: torch.device) -> None:
-        """Pack the GEMM weights for the device's fastest kernel (see models/linear.py); again
-        after every weight change."""
+    def pack_weights(self) -> None:
+        """Pack the GEMM weights for the device's fastest kernel (see models/linear.py).
+        `load_weights` packs again by itself once the model is packed."""
+        device = self.model.embed_tokens.weight.device
         linear.pack_weights(self, device)
         self._packed_head = None
         if linear.packing_supported(device):
             head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self._packed_head = linear.pack(head)
+        self.is_packed = True
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)
         self._packed_head = None
+        self.is_packed = False
 
     # -- weights ------------------------------------------------------------------
     def _fused_target(self, name: str) -> tuple[str, int, int] | None:
@@ -227,7 +231,9 @@ class LlamaForCausalLM(nn.Module):
 
         With strict=True every parameter must be covered (a full checkpoint); a partial
         update (RL weight sync) passes strict=False. Every name and shape is checked before
-        anything is copied, so a refused update leaves the model as it was.
+        anything is copied, so a refused update leaves the model as it was. A packed model
+        re-packs afterwards, so code that loads weights this way (e.g. via collective_rpc)
+        needs no extra step; code that edits parameters in place must call pack_weights().
         """
         params = dict(self.named_parameters())
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -261,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
             self._check_complete(covered)
         for target, tensor in plan:
             target.copy_(tensor.to(target.dtype))
+        if self.is_packed:    # a weight update: the packed copies must follow
+            self.pack_weights()
         return loaded
 
     def _check_complete(self, covered: set[str]) -> None:

@@ -50,7 +50,7 @@ class ModelRunner:
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         # RoPE tables stay fp32, as in transformers.
         self.model.model.rotary.float()
-        self.model.pack_weights(self.device)
+        self.model.pack_weights()
         logger.info("loaded %s (%s) in %.1fs", cfg.model, model_cls.__name__,
                     time.perf_counter() - start)
 
@@ -239,9 +239,10 @@ class ModelRunner:
     def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
         if self._weights_discarded:
             self._materialize_weights()
-        loaded = self.model.load_weights(weights, strict=strict)
+        loaded = self.model.load_weights(weights, strict=strict)   # re-packs a packed model
         self._weights_discarded = False
-        self.model.pack_weights(self.device)
+        if not self.model.is_packed:   # weights restored after sleep(level=2)
+            self.model.pack_weights()
         return len(loaded)
 
     def sleep(self, level: int) -> None:

@@ -653,7 +653,8 @@ def test_request_id_equal_to_another_requests_sample_id_is_refused(llama, prompt
 
 
 def test_aborted_delta_stream_ends_with_only_what_is_new(llama, reference, prompts):
-    delta = greedy(24)
+    # Room for many steps after the abort is sent, so it lands before the request finishes.
+    delta = greedy(200)
     delta.output_kind = RequestOutputKind.DELTA
 
     async def body(engine: AsyncLLM):
@@ -666,7 +667,8 @@ def test_aborted_delta_stream_ends_with_only_what_is_new(llama, reference, promp
         await aborts[0]
         assert finals[-1] == "abort" and all(f is None for f in finals[:-1])
         # The abort's output carries no token twice: the pieces are the stream's tokens once.
-        assert pieces == reference(llama).greedy(prompts[0], 24)[:len(pieces)]
+        assert len(pieces) < 200
+        assert pieces == reference(llama).greedy(prompts[0], len(pieces))
         assert_no_leaks(engine)
 
     run_engine(llama, body, async_scheduling=True)

@@ -78,20 +78,31 @@ def _decode_metadata(seq_lens: list[int], block_size: int = 16):
     return build_metadata(q_lens, ctx, ctx.copy(), table, block_size, CPU, GatherBuffer()), table
 
 
-def test_decode_chunks_cover_every_row_once_longest_first():
+def _rows(chunk) -> list[int]:
+    if isinstance(chunk.rows, slice):
+        return list(range(chunk.rows.start, chunk.rows.stop))
+    return chunk.rows.tolist()
+
+
+@pytest.mark.parametrize("presorted", [False, True])
+def test_decode_chunks_cover_every_row_once_longest_first(presorted):
     rng = np.random.default_rng(0)
     seq_lens = [int(x) for x in rng.integers(1, 1500, 70)]
+    if presorted:   # as the model runner sends them: every chunk is a contiguous run of rows
+        seq_lens.sort(reverse=True)
     meta, table = _decode_metadata(seq_lens)
-    rows = [int(r) for chunk in meta.decode_chunks for r in chunk.rows]
+    assert all(isinstance(c.rows, slice) == presorted for c in meta.decode_chunks if c.mask.shape[0] > 1)
+    rows = [r for chunk in meta.decode_chunks for r in _rows(chunk)]
     assert sorted(rows) == list(range(len(seq_lens)))
     lens_in_order = [seq_lens[r] for r in rows]
     assert lens_in_order == sorted(seq_lens, reverse=True)
     for chunk in meta.decode_chunks:
-        n = chunk.rows.shape[0]
+        n = len(_rows(chunk))
         padded = chunk.mask.shape[-1]
+        assert n == chunk.mask.shape[0]
         assert n == 1 or n * padded <= DECODE_CHUNK_TOKENS
         assert chunk.block_ids.shape[0] * 16 == n * padded
-        for i, r in enumerate(chunk.rows.tolist()):
+        for i, r in enumerate(_rows(chunk)):
             assert int(chunk.mask[i].sum()) == seq_lens[r]
             blocks = chunk.block_ids.view(n, -1)[i]
             used = -(-seq_lens[r] // 16)

@@ -106,13 +106,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k sit side by side in the fused output: one RoPE pass over both heads.
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 

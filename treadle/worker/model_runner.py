@@ -114,7 +114,11 @@ class ModelRunner:
         # Decodes first: the attention backend batches them. A step verifying drafts is a
         # short chunk of 1 + k tokens to the backend.
         is_decode = (q_lens == 1) & (ctx > 0)
-        order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+        decodes = np.flatnonzero(is_decode)
+        # Longest first: the backend cuts decodes into chunks of similar length, each a
+        # contiguous run of rows this way.
+        decodes = decodes[np.argsort(-ctx[decodes], kind="stable")]
+        order = np.concatenate([decodes, np.flatnonzero(~is_decode)])
         req_ids = [req_ids[i] for i in order]
         idx, q_lens, ctx = idx[order], q_lens[order], ctx[order]
         drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]

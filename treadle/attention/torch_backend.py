@@ -4,9 +4,10 @@ KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
 A step's tokens are laid out decodes first (one query token each), then prefill chunks.
   - New K/V are written in place through `slot_mapping`, before any attention reads the cache,
     so a request may read blocks another request of the same step is filling.
-  - Decodes are batched in chunks of similar length (longest first; the model runner sends
-    them sorted, so a chunk is a contiguous run of rows): whole blocks are gathered with `index_select` into a reused buffer, padded to the chunk's longest sequence,
-    and masked. Chunks bound the gathered K/V so it stays in cache between the copy and SDPA.
+  - Decodes are batched in chunks of similar length, longest first (the model runner sends
+    them sorted, so a chunk is a contiguous run of rows). Whole blocks are gathered with
+    `index_select` into a reused buffer, padded to the chunk's longest sequence, and masked.
+    Chunks bound the gathered K/V so it stays in cache between the copy and SDPA.
   - Each prefill chunk attends to its cached context plus itself, with an explicit
     bottom-right-aligned causal mask (`is_causal=True` aligns top-left, which is wrong
     whenever the query is shorter than the keys).

@@ -79,19 +79,14 @@ def _decode_metadata(seq_lens: list[int], block_size: int = 16):
 
 
 def _rows(chunk) -> list[int]:
-    if isinstance(chunk.rows, slice):
-        return list(range(chunk.rows.start, chunk.rows.stop))
-    return chunk.rows.tolist()
+    return list(range(chunk.rows.start, chunk.rows.stop))
 
 
-@pytest.mark.parametrize("presorted", [False, True])
-def test_decode_chunks_cover_every_row_once_longest_first(presorted):
+def test_decode_chunks_cover_every_row_once_longest_first():
     rng = np.random.default_rng(0)
-    seq_lens = [int(x) for x in rng.integers(1, 1500, 70)]
-    if presorted:   # as the model runner sends them: every chunk is a contiguous run of rows
-        seq_lens.sort(reverse=True)
+    # Longest first, as the model runner sends them.
+    seq_lens = sorted((int(x) for x in rng.integers(1, 1500, 70)), reverse=True)
     meta, table = _decode_metadata(seq_lens)
-    assert all(isinstance(c.rows, slice) == presorted for c in meta.decode_chunks if c.mask.shape[0] > 1)
     rows = [r for chunk in meta.decode_chunks for r in _rows(chunk)]
     assert sorted(rows) == list(range(len(seq_lens)))
     lens_in_order = [seq_lens[r] for r in rows]
@@ -107,6 +102,11 @@ def test_decode_chunks_cover_every_row_once_longest_first(presorted):
             blocks = chunk.block_ids.view(n, -1)[i]
             used = -(-seq_lens[r] // 16)
             assert blocks[:used].tolist() == table[r, :used].tolist()
+
+
+def test_decodes_out_of_length_order_are_refused():
+    with pytest.raises(AssertionError, match="longest first"):
+        _decode_metadata([20, 300, 5])
 
 
 def test_gather_buffer_grows_and_is_reused():

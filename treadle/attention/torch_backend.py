@@ -4,10 +4,10 @@ KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
 A step's tokens are laid out decodes first (one query token each), then prefill chunks.
   - New K/V are written in place through `slot_mapping`, before any attention reads the cache,
     so a request may read blocks another request of the same step is filling.
-  - Decodes are batched in chunks of similar length, longest first (the model runner sends
-    them sorted, so a chunk is a contiguous run of rows). Whole blocks are gathered with
-    `index_select` into a reused buffer, padded to the chunk's longest sequence, and masked.
-    Chunks bound the gathered K/V so it stays in cache between the copy and SDPA.
+  - Decodes come longest first and are batched in chunks, each a contiguous run of rows of
+    similar length. Whole blocks are gathered with `index_select` into a reused buffer,
+    padded to the chunk's longest sequence, and masked. Chunks bound the gathered K/V so it
+    stays in cache between the copy and SDPA.
   - Each prefill chunk attends to its cached context plus itself, with an explicit
     bottom-right-aligned causal mask (`is_causal=True` aligns top-left, which is wrong
     whenever the query is shorter than the keys).
@@ -54,7 +54,7 @@ class GatherBuffer:
 
 @dataclass
 class DecodeChunk:
-    rows: slice | torch.Tensor  # which decode tokens (rows of the step) this chunk holds
+    rows: slice                 # which decode tokens (rows of the step) this chunk holds
     block_ids: torch.Tensor     # [n * max_blocks] their block tables, padded with the null block
     mask: torch.Tensor          # [n, 1, 1, max_blocks * block_size] key positions in use
 
@@ -88,8 +88,9 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Metadata for one step.
 
-    Requests come decodes first (query_len 1 with some context). `positions` holds every
-    token's position, `block_table` one row per request, padded with the null block 0.
+    Requests come decodes first (query_len 1 with some context), longest context first.
+    `positions` holds every token's position, `block_table` one row per request, padded with
+    the null block 0.
     """
     req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
@@ -118,22 +119,20 @@ def build_metadata(
 
 def _decode_chunks(seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
                    device: torch.device) -> list[DecodeChunk]:
-    """Decodes sorted longest first, cut into chunks of at most DECODE_CHUNK_TOKENS padded
-    key positions (a longer sequence gets a chunk of its own)."""
+    """Decodes (longest first) cut into runs of at most DECODE_CHUNK_TOKENS padded key
+    positions; a longer sequence gets a chunk of its own."""
+    assert (np.diff(seq_lens) <= 0).all(), "decodes must come longest first"
     chunks = []
-    order = np.argsort(-seq_lens, kind="stable")
-    i = 0
-    while i < len(order):
-        max_blocks = -(-int(seq_lens[order[i]]) // block_size)
-        n = max(1, min(len(order) - i, DECODE_CHUNK_TOKENS // (max_blocks * block_size)))
-        rows = order[i:i + n]
-        i += n
+    start = 0
+    while start < len(seq_lens):
+        max_blocks = -(-int(seq_lens[start]) // block_size)
+        n = max(1, min(len(seq_lens) - start, DECODE_CHUNK_TOKENS // (max_blocks * block_size)))
+        rows = slice(start, start + n)
+        start += n
         key_pos = torch.arange(max_blocks * block_size, device=device)
         lens = torch.from_numpy(seq_lens[rows].astype(np.int64)).to(device)
-        contiguous = (np.diff(rows) == 1).all()   # the runner sends decodes longest first
         chunks.append(DecodeChunk(
-            rows=(slice(int(rows[0]), int(rows[0]) + n) if contiguous
-                  else torch.from_numpy(rows.astype(np.int64)).to(device)),
+            rows=rows,
             block_ids=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64).ravel()).to(device),
             mask=(key_pos[None, :] < lens[:, None])[:, None, None, :]))
     return chunks

@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names mirror transformers' (`model.layers.N...`), except the fused projections."""
 
     qk_norm = False
-    is_packed = False    # whether the GEMMs run on packed copies of the weights
+    is_packed = False    # pack_weights has run (a no-op off CPU): weight loads re-pack
 
     @staticmethod
     def biases(config) -> tuple[bool, bool]:
@@ -191,10 +191,12 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache, meta)
         return self.model.norm(h)
 
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear.linear(hidden, weight, None, self._packed_head).float()
+        return linear.linear(hidden, self._head_weight(), None, self._packed_head).float()
 
     def pack_weights(self) -> None:
         """Pack the GEMM weights for the device's fastest kernel (see models/linear.py).
@@ -203,8 +205,7 @@ class LlamaForCausalLM(nn.Module):
         linear.pack_weights(self, device)
         self._packed_head = None
         if linear.packing_supported(device):
-            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self._packed_head = linear.pack(head)
+            self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
 
     def unpack_weights(self) -> None:

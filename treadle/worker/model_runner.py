@@ -115,8 +115,8 @@ class ModelRunner:
         # short chunk of 1 + k tokens to the backend.
         is_decode = (q_lens == 1) & (ctx > 0)
         decodes = np.flatnonzero(is_decode)
-        # Longest first: the backend cuts decodes into chunks of similar length, each a
-        # contiguous run of rows this way.
+        # Longest first, as the backend expects: it cuts decodes into contiguous runs of
+        # similar length.
         decodes = decodes[np.argsort(-ctx[decodes], kind="stable")]
         order = np.concatenate([decodes, np.flatnonzero(~is_decode)])
         req_ids = [req_ids[i] for i in order]

@@ -32,7 +32,7 @@ def test_bench_spec_reports_every_workload(tiny_checkpoints, tmp_path):
     assert main(["bench", "spec", "--model", tiny_checkpoints["llama"], "--num-prompts", "1",
                  "--output-len", "12", "--output-json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"rewrite", "chat", "random"}
+    assert set(results) == {"rewrite", "chat", "chat-sampled", "random"}
     for r in results.values():
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
         assert 0 <= r["acceptance_rate"] <= 1

@@ -366,6 +366,36 @@ def test_api_key_and_log_len(llama, tmp_path):
         assert srv.stop() == 0, srv.log()
 
 
+def test_speculative_config_keeps_output_and_counts_drafts(llama, tmp_path, offline, tokenizer, reference):
+    """`treadle serve --speculative-config JSON`: n-gram drafts leave the output as transformers
+    makes it (plain and streamed), and /metrics counts the drafts."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    ids = tokenizer.encode("one two three four one two three four one two three four one two")
+    expected = offline.generate({"prompt_token_ids": ids}, greedy(32, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids == reference(llama).greedy(ids, 32)
+    srv = Server(llama, tmp_path, "--speculative-config", json.dumps(spec))
+    try:
+        before = scrape(srv)
+        client = srv.client()
+        kwargs = dict(model=MODEL, prompt=ids, max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        assert client.completions.create(**kwargs).choices[0].text == expected.text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+        assert streamed == expected.text
+        after = scrape(srv)
+
+        def grew(name: str) -> float:
+            return after.get((name, ()), 0) - before.get((name, ()), 0)
+
+        assert grew("treadle:spec_decode_num_drafts_total") > 0
+        assert grew("treadle:spec_decode_num_draft_tokens_total") >= grew("treadle:spec_decode_num_drafts_total")
+        per_pos = sum(v for (name, _), v in after.items()
+                      if name == "treadle:spec_decode_num_accepted_tokens_per_pos_total")
+        assert per_pos == after[("treadle:spec_decode_num_accepted_tokens_total", ())]
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 # -- RL controls while streams are open -----------------------------------------------------------
 STREAM = dict(prompt=PROMPTS[0], max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
 

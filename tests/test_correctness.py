@@ -111,10 +111,13 @@ def test_smollm2_one_sequence_at_a_time(smollm2_path, reference):
 @pytest.mark.parametrize("budget", [16, 64])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_chunks_match_transformers(tiny_checkpoints, reference, arch, budget, monkeypatch):
-    """Decodes are sorted longest first and cut into chunks; with a tiny chunk budget every
-    chunk holds one or two requests, so a row sent to or read back from the wrong place, or
-    a request sorted away from its block table, shows."""
+    """The torch decode path (the C++ kernel switched off): decodes are sorted longest first
+    and cut into chunks; with a tiny chunk budget every chunk holds one or two requests, so a
+    row sent to or read back from the wrong place, or a request sorted away from its block
+    table, shows."""
+    monkeypatch.setenv("TREADLE_CPU_KERNELS", "0")
     monkeypatch.setattr(torch_backend, "DECODE_CHUNK_TOKENS", budget)
     path = tiny_checkpoints[arch]
     llm = LLM(path, block_size=16)
+    assert not llm.engine.core.executor.worker.runner.native_kernels
     assert_matches_reference(llm, reference(path), prompt_ids(llm), max_tokens=40)

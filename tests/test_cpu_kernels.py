@@ -1,5 +1,6 @@
-"""The CPU fast paths: oneDNN-packed GEMM weights and the decode-chunk plan of the torch
-attention backend. End-to-end equality with transformers lives in test_correctness.py."""
+"""The CPU fast paths: oneDNN-packed GEMM weights, the C++ paged decode kernel, and the
+decode-chunk plan of the torch attention path. End-to-end equality with transformers lives in
+test_correctness.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from treadle import LLM, SamplingParams
 from treadle.attention.torch_backend import DECODE_CHUNK_TOKENS, GatherBuffer, build_metadata
+from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
+from treadle.models.llama import RMSNorm, apply_rope
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not linear.packing_supported(CPU), reason="no oneDNN in this torch")
@@ -141,3 +144,122 @@ def test_model_load_weights_through_collective_rpc_repacks(tiny_checkpoints):
     restored = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert changed != before
     assert restored == before
+
+
+needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
+
+
+def _dense_decode(q, k_cache, v_cache, table, seq_lens, scale):
+    """Reference: each sequence's K/V laid out densely, attention in float64."""
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = []
+    for i, n in enumerate(seq_lens):
+        blocks = torch.as_tensor(table[i])
+        k = k_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].double(), k) * scale
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])   # few sequences: the kernel splits by KV head
+def test_native_decode_matches_dense_attention(dtype, tol, heads, kv_heads, num_seqs):
+    rng = np.random.default_rng(num_seqs)
+    block_size, head_dim, num_blocks = 16, 64, 512
+    seq_lens = [1, 16, 17, 300, 33][:num_seqs] + [int(x) for x in rng.integers(1, 200, max(0, num_seqs - 5))]
+    max_blocks = -(-max(seq_lens) // block_size)
+    # Scattered blocks, unused table entries on the null block 0, as the runner fills them.
+    table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    free = iter(rng.permutation(np.arange(1, num_blocks)))
+    for i, n in enumerate(seq_lens):
+        table[i, :-(-n // block_size)] = [next(free) for _ in range(-(-n // block_size))]
+    torch.manual_seed(0)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    # q as the model hands it over: a strided view into a fused qkv output.
+    qkv = torch.randn(num_seqs, heads + 2 * kv_heads, head_dim).to(dtype)
+    q = qkv[:, :heads]
+    out = torch.full((num_seqs, heads, head_dim), float("nan"), dtype=dtype)
+    scale = head_dim ** -0.5
+    torch.ops.treadle.paged_decode_attention(out, q, k_cache, v_cache, torch.from_numpy(table),
+                                             torch.tensor(seq_lens, dtype=torch.int32), scale)
+    expected = _dense_decode(q, k_cache, v_cache, table, seq_lens, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_native
+def test_native_decode_refuses_bad_inputs():
+    k_cache = torch.zeros(4, 16, 2, 8)
+    q, out = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
+    with pytest.raises(RuntimeError, match="int32"):
+        torch.ops.treadle.paged_decode_attention(out, q, k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int64),
+                                                 torch.ones(1, dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        torch.ops.treadle.paged_decode_attention(torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), k_cache, k_cache,
+                                                 torch.zeros(1, 1, dtype=torch.int32),
+                                                 torch.ones(1, dtype=torch.int32), 1.0)
+
+
+@needs_native
+def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("TREADLE_CPU_KERNELS", switch)
+        llm = LLM(tiny_checkpoints["qwen2"], num_kv_blocks=64)
+        runner = llm.engine.core.executor.worker.runner
+        assert runner.native_kernels == (switch == "1")
+        assert runner.model.model.layers[0].mlp.native == (switch == "1")
+        runs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs["1"] == runs["0"]
+
+
+FUSED_TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", list(FUSED_TOLERANCE))
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_fused_ops_match_the_torch_expressions(dtype, rows):
+    """Each fused op against the transformers-style torch code it stands in for, on strided
+    inputs as the model hands them over."""
+    torch.manual_seed(rows)
+    tol = FUSED_TOLERANCE[dtype]
+
+    gate_up = torch.randn(rows, 2 * 96).mul(4).to(dtype)
+    gate, up = gate_up.split(96, dim=-1)
+    torch.testing.assert_close(torch.ops.treadle.silu_and_mul(gate_up),
+                               torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol)
+
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    for x in (torch.randn(rows, 64).to(dtype),                   # a residual stream
+              torch.randn(rows, 7, 64).to(dtype)[:, 1:5]):      # q heads inside a qkv row
+        torch.testing.assert_close(torch.ops.treadle.rms_norm(x, norm.weight, norm.eps), norm(x),
+                                   rtol=tol, atol=tol)
+
+    qkv = torch.randn(rows, 7, 64).to(dtype)
+    cos, sin = torch.randn(rows, 1, 64).to(dtype), torch.randn(rows, 1, 64).to(dtype)
+    expected = apply_rope(qkv[:, :5], cos, sin)
+    untouched = qkv[:, 5:].clone()
+    torch.ops.treadle.rope_(qkv[:, :5], cos, sin)
+    if dtype == torch.float32:   # same products and sums, rounded the same way: bit for bit
+        assert torch.equal(qkv[:, :5], expected)
+    torch.testing.assert_close(qkv[:, :5], expected, rtol=tol, atol=tol)
+    assert torch.equal(qkv[:, 5:], untouched)
+
+
+@needs_native
+def test_fused_ops_refuse_bad_inputs():
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        torch.ops.treadle.silu_and_mul(torch.zeros(2, 5))
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.treadle.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        torch.ops.treadle.rope_(torch.zeros(2, 3, 8), torch.zeros(1, 8), torch.zeros(1, 8))

@@ -1,10 +1,11 @@
-"""Paged attention in plain torch (CPU, and a fallback on GPU).
+"""Paged attention in torch (CPU, and a fallback on GPU), with one C++ kernel on CPU.
 
 KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim].
 A step's tokens are laid out decodes first (one query token each), then prefill chunks.
   - New K/V are written in place through `slot_mapping`, before any attention reads the cache,
     so a request may read blocks another request of the same step is filling.
-  - Decodes come longest first and are batched in chunks, each a contiguous run of rows of
+  - On CPU, decodes go to a C++ kernel (treadle/kernels), which reads K/V through the block table.
+  - Otherwise decodes come longest first and are batched in chunks, each a contiguous run of rows of
     similar length. Whole blocks are gathered with `index_select` into a reused buffer,
     padded to the chunk's longest sequence, and masked. Chunks bound the gathered K/V so it
     stays in cache between the copy and SDPA.
@@ -60,6 +61,12 @@ class DecodeChunk:
 
 
 @dataclass
+class NativeDecode:
+    block_table: torch.Tensor   # [num_decodes, max_blocks] int32
+    seq_lens: torch.Tensor      # [num_decodes] int32, counting the new token
+
+
+@dataclass
 class PrefillSpan:
     q_start: int
     q_end: int
@@ -72,7 +79,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # [num_tokens] flat cache slot of each new token
     num_decodes: int                    # the first num_decodes tokens are decodes
-    decode_chunks: list[DecodeChunk]
+    native_decode: NativeDecode | None  # decodes for the C++ kernel, or else...
+    decode_chunks: list[DecodeChunk]    # ...decodes for the torch path
     prefills: list[PrefillSpan]
     gather_buffer: GatherBuffer
 
@@ -85,12 +93,13 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     gather_buffer: GatherBuffer,
+    native_decode: bool = False,
 ) -> AttentionMetadata:
     """Metadata for one step.
 
     Requests come decodes first (query_len 1 with some context), longest context first.
     `positions` holds every token's position, `block_table` one row per request, padded with
-    the null block 0.
+    the null block 0. `native_decode` sends the decodes to the C++ kernel.
     """
     req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
@@ -98,7 +107,15 @@ def build_metadata(
 
     is_decode = (query_lens == 1) & (context_lens > 0)
     num_decodes = len(query_lens) if is_decode.all() else int(np.argmin(is_decode))
-    decode_chunks = _decode_chunks(context_lens[:num_decodes] + 1, block_table, block_size, device)
+    seq_lens = context_lens[:num_decodes] + 1
+    native, decode_chunks = None, []
+    if native_decode and num_decodes:
+        max_blocks = -(-int(seq_lens.max()) // block_size)
+        native = NativeDecode(
+            torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks], dtype=np.int32)),
+            torch.from_numpy(seq_lens.astype(np.int32)))
+    else:
+        decode_chunks = _decode_chunks(seq_lens, block_table, block_size, device)
 
     prefills = []
     start = num_decodes
@@ -114,7 +131,7 @@ def build_metadata(
             span.mask = key_pos[None, :] <= query_pos[:, None]
         prefills.append(span)
         start += q_len
-    return AttentionMetadata(slot_mapping, num_decodes, decode_chunks, prefills, gather_buffer)
+    return AttentionMetadata(slot_mapping, num_decodes, native, decode_chunks, prefills, gather_buffer)
 
 
 def _decode_chunks(seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
@@ -157,6 +174,11 @@ class TorchAttention:
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # q may be a strided view
+        if meta.native_decode is not None:
+            n = meta.num_decodes
+            torch.ops.treadle.paged_decode_attention(
+                out[:n], q[:n], k_cache, v_cache, meta.native_decode.block_table,
+                meta.native_decode.seq_lens, self.scale)
         for chunk in meta.decode_chunks:
             n = chunk.mask.shape[0]
             kd, vd = self._gather(k_cache, v_cache, chunk.block_ids, meta.gather_buffer)

@@ -22,12 +22,16 @@ logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
+    native = False   # the fused C++ op (treadle/kernels), set by use_cpu_kernels
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.treadle.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -90,6 +94,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    native = False   # RoPE in place by the fused C++ op
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -108,19 +114,27 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        rope = self._rope_in_place if self.native else apply_rope
         if self.q_norm is None:
             # q and k sit side by side in the fused output: one RoPE pass over both heads.
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rope(qk, cos, sin)
+            qk = rope(qk, cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         else:
             q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+    @staticmethod
+    def _rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        torch.ops.treadle.rope_(x, cos, sin)
+        return x
 
 
 class MLP(nn.Module):
+    native = False   # SiLU-and-mul by the fused C++ op
+
     def __init__(self, config) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
@@ -129,6 +143,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return self.down_proj(torch.ops.treadle.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -207,6 +223,13 @@ class LlamaForCausalLM(nn.Module):
         if linear.packing_supported(device):
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
+
+    def use_cpu_kernels(self) -> None:
+        """Run RMSNorm, RoPE and SiLU-and-mul through the fused C++ ops (treadle/kernels/cpu.py),
+        which the caller has loaded."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.native = True
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)

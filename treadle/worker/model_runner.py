@@ -12,6 +12,7 @@ import torch
 from treadle.attention.torch_backend import GatherBuffer, build_metadata
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.request_state import RequestSlots
@@ -32,6 +33,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.gather_buffer = GatherBuffer()
+        self.native_kernels = cpu_kernels_available(self.device)
         self.slots: RequestSlots | None = None
         self.sampler = Sampler(self.device)
         spec = config.speculative
@@ -51,6 +53,8 @@ class ModelRunner:
         # RoPE tables stay fp32, as in transformers.
         self.model.model.rotary.float()
         self.model.pack_weights()
+        if self.native_kernels:
+            self.model.use_cpu_kernels()
         logger.info("loaded %s (%s) in %.1fs", cfg.model, model_cls.__name__,
                     time.perf_counter() - start)
 
@@ -133,7 +137,7 @@ class ModelRunner:
         token_slot = np.repeat(idx, q_lens)
         input_ids = slots.token_ids[token_slot, positions]
         meta = build_metadata(q_lens, ctx, positions, slots.block_table[idx], self.block_size, self.device,
-                              self.gather_buffer)
+                              self.gather_buffer, self.native_kernels)
 
         hidden = self.model(torch.from_numpy(input_ids).to(self.device),
                             torch.from_numpy(positions).to(self.device), self.kv_caches, meta)

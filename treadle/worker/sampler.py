@@ -54,7 +54,9 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < 1e-5]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if greedy:
+        if len(greedy) == len(rows):   # no row copy of the [rows, vocab] logits
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if random:
             tokens[random] = self._sample(logits[random], [rows[i] for i in random])

@@ -1,0 +1,1 @@
+"""Native kernels: C++ for CPU, built on the user's machine (cpu.py)."""

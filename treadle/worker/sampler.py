@@ -53,12 +53,12 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < 1e-5]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if len(greedy) == len(rows):   # no row copy of the [rows, vocab] logits
+        if not random:   # all greedy: no row copy of the [rows, vocab] logits
             tokens = logits.argmax(dim=-1)
-        elif greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-        if random:
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if greedy:
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
             tokens[random] = self._sample(logits[random], [rows[i] for i in random])
         token_list = tokens.tolist()
 

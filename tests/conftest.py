@@ -7,18 +7,54 @@ import functools
 import pytest
 import torch
 
+from hypothesis import settings
+
 from tests.reference import HFReference
 from tests.tiny_models import make_tiny_checkpoint
 from treadle.models.loader import default_model_path
+
+# Property tests: "ci" by default; `pytest --hypothesis-profile=long` for the deep run.
+settings.register_profile("ci", max_examples=500, deadline=None)
+settings.register_profile("long", max_examples=10_000, deadline=None)
+settings.load_profile("ci")
+
+
+# The only skips a run may have, by reason. Any other skip fails the run: a test that cannot
+# run here (a missing compiler, library or program) must not pass unnoticed.
+NEEDS_GPU = "needs a CUDA device"
+EXPECTED_SKIPS = (NEEDS_GPU,)
+_skips: list[tuple[str, str]] = []   # (test id, reason)
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = pytest.mark.skip(reason=NEEDS_GPU)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skips.append((report.nodeid, report.longrepr[2].removeprefix("Skipped: ")))
+
+
+def _unexpected_skips() -> list[tuple[str, str]]:
+    return [(test, reason) for test, reason in _skips if reason not in EXPECTED_SKIPS]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unexpected_skips() and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    unexpected = _unexpected_skips()
+    terminalreporter.write_line(f"skips: {len(_skips)} ({len(_skips) - len(unexpected)} expected: "
+                                f"{', '.join(EXPECTED_SKIPS)})")
+    for test, reason in unexpected:
+        terminalreporter.write_line(f"UNEXPECTED SKIP (fails the run): {test}: {reason}", red=True)
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,15 @@ class HFReference:
     GGUF load), from the converted folder, which skips parsing the GGUF in every test session.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, overrides: list[tuple[str, torch.Tensor]] = ()) -> None:
+        """`overrides`: (transformers name, tensor) pairs replacing weights of the checkpoint,
+        as treadle's update_weights takes them."""
         path = prepare_model(path)
         config = load_hf_config(path)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = dict(iter_hf_weights(path))
+        assert all(name in state for name, _ in overrides), "override of an unknown weight"
+        state.update(overrides)
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected, unexpected
         assert all("lm_head" in m for m in missing), missing

@@ -247,6 +247,56 @@ def test_property_stop_strings_and_hold_back(tok, ordinary_ids, data, include):
     assert seen == final == full[:pos + len(stop) if include else pos]
 
 
+def _run_steps(tok, ids: list[int], sizes: list[int], params: SamplingParams):
+    """Feeds `ids` in steps of the given sizes, as the engine would with 1 + k tokens a step."""
+    detok = IncrementalDetokenizer(tok, [], params)
+    deltas, pos, stop = [], 0, None
+    for size in sizes:
+        step = ids[pos:pos + size]
+        pos += size
+        if not step:
+            break
+        stop = detok.update(step, stop_terminated=False)
+        deltas.append(detok.get_next_output_text(finished=stop is not None, delta=True))
+        if stop is not None:
+            break
+    if stop is None:
+        deltas.append(detok.get_next_output_text(finished=True, delta=True))
+    return detok.token_ids, "".join(deltas), stop
+
+
+@PROPERTY
+@given(data=st.data(), include=st.booleans(), min_tokens=st.integers(0, 8))
+def test_property_multi_token_steps_equal_single_token_steps(tok, ordinary_ids, data, include,
+                                                             min_tokens):
+    """A step of several tokens (speculative decoding) ends exactly where single-token steps
+    end: the same ids (cut at the token that completes the stop string), text and stop reason,
+    min_tokens counted per token."""
+    ids = data.draw(st.lists(st.sampled_from(ordinary_ids), min_size=2, max_size=24), label="ids")
+    full = full_decode(tok, ids)
+    stops = []
+    for _ in range(data.draw(st.integers(1, 3), label="num_stops")):
+        start = data.draw(st.integers(0, max(len(full) - 1, 0)), label="start")
+        stop = full[start:start + data.draw(st.integers(1, 5), label="length")].split(FFFD)[0]
+        if stop:
+            stops.append(stop)
+    if not stops:
+        return
+    sizes = data.draw(st.lists(st.integers(1, 6), min_size=len(ids), max_size=len(ids)), label="sizes")
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens,
+                            max_tokens=64)
+    assert _run_steps(tok, ids, sizes, params) == _run_steps(tok, ids, [1] * len(ids), params)
+
+
+def test_stop_string_inside_a_multi_token_step_cuts_the_ids(tok):
+    ids = tok.encode("a b a b a b")
+    one_step, text, stop = _run_steps(tok, ids, [6], SamplingParams(stop=[" a"]))
+    assert (one_step, text, stop) == (ids[:3], "a b", " a")
+    # min_tokens counts tokens, not steps: " a" at token 3 is too early, the one at token 5 stops.
+    one_step, text, stop = _run_steps(tok, ids, [6], SamplingParams(stop=[" a"], min_tokens=3))
+    assert (one_step, text, stop) == (ids[:5], "a b a b", " a")
+
+
 class _SentencePieceLike:
     """A stub tokenizer whose decode drops the leading space of the whole text, like
     SentencePiece/Metaspace decoders do: the reason the first window holds prompt tokens."""

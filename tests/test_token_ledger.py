@@ -22,6 +22,7 @@ from tests.test_scheduler import BS, EOS, make_request, make_scheduler
 from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.request import Request, RequestStatus
+from treadle.sampling_params import SamplingParams
 
 # Above every target() for positions < max_model_len (256): a draft that is never accepted.
 WRONG_DRAFT = 9000
@@ -58,6 +59,64 @@ def random_drafts(rng: random.Random) -> Proposer:
     return propose
 
 
+class KVOracle:
+    """What every KV slot holds, as a fake worker would write it: the publishing invariant's test.
+
+    Steps run in the order they are scheduled, so each is "executed" when it is scheduled: it
+    writes its new tokens' slots, then every scheduled request reads all of its context. A slot
+    holds a key for the whole token prefix ending at it, so a read of a slot never written, or
+    written for other tokens (a block published and then taken back, a rejected draft, a block
+    reused after eviction), fails at once.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.tables: dict[str, list[int]] = {}          # the workers' block table per request
+        self.slots: dict[tuple[int, int], int] = {}     # (block, offset) -> prefix key
+
+    def run_step(self, so: SchedulerOutput, input_tokens: Callable[[str, int, list[int]], list[int]]) -> None:
+        """`input_tokens(rid, end, drafts)`: the request's tokens at positions [0, end)."""
+        for rid in so.finished_req_ids:
+            self.tables.pop(rid, None)
+        start: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = list(new.block_ids)
+            start[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                             cached.num_computed_tokens):
+            self.tables[rid] += blocks
+            start[rid] = num_computed
+        keys: dict[str, list[int]] = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            end = start[rid] + n
+            key, keys[rid] = 0, []
+            for tok in input_tokens(rid, end, so.scheduled_spec_decode_tokens.get(rid, [])):
+                key = hash((key, tok))
+                keys[rid].append(key)
+            for pos in range(start[rid], end):   # every write of the step lands before any read
+                self.slots[self._slot(rid, pos)] = keys[rid][pos]
+        for rid, prefix_keys in keys.items():
+            for pos, key in enumerate(prefix_keys):
+                assert self.slots.get(self._slot(rid, pos)) == key, (
+                    f"{rid} reads position {pos} from block {self._slot(rid, pos)[0]}, "
+                    "which does not hold its KV")
+
+    def check_published(self, hash_to_block: dict, tokens_of: dict[bytes, list[int]]) -> None:
+        """Every block in the prefix cache holds the KV of the tokens its hash stands for."""
+        for block_hash, block in hash_to_block.items():
+            key, keys = 0, []
+            for tok in tokens_of[block_hash]:
+                key = hash((key, tok))
+                keys.append(key)
+            for offset, key in enumerate(keys[-self.block_size:]):
+                assert self.slots.get((block.block_id, offset)) == key, (
+                    f"block {block.block_id} is published, but slot {offset} does not hold its KV")
+
+    def _slot(self, rid: str, pos: int) -> tuple[int, int]:
+        return self.tables[rid][pos // self.block_size], pos % self.block_size
+
+
 @dataclass
 class InFlightStep:
     so: SchedulerOutput
@@ -76,6 +135,8 @@ class AsyncRunner:
         self.finish_reason: dict[str, str] = {}
         self.at_abort: dict[str, list[int]] = {}   # what had been delivered when it was aborted
         self.scheduled_tokens: dict[str, int] = defaultdict(int)
+        self.kv = KVOracle(sched.block_size)
+        self.tokens_of_hash: dict[bytes, list[int]] = {}   # every block hash seen -> its tokens
 
     # -- engine actions ----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -95,8 +156,20 @@ class AsyncRunner:
         for rid, n in so.num_scheduled_tokens.items():
             self.scheduled_tokens[rid] += n
         self.fifo.append(InFlightStep(so, first_pos))
+        self.kv.run_step(so, self.input_tokens)
+        for r in self.sched.requests.values():
+            for i in range(len(r.block_hashes)):
+                self.tokens_of_hash.setdefault(r.block_hashes[i], r.all_token_ids[:(i + 1) * BS])
+        self.kv.check_published(self.sched.kv_cache.pool.hash_to_block, self.tokens_of_hash)
         self.check_in_flight()
         return so
+
+    def input_tokens(self, rid: str, end: int, drafts: list[int]) -> list[int]:
+        """A step's input: the prompt, the outputs (known or in flight), then its drafts."""
+        prompt = self.requests[rid].prompt_token_ids
+        known = end - len(drafts)
+        return (prompt[:known] + [target(rid, p) for p in range(len(prompt), known)]
+                + list(drafts))
 
     def complete(self) -> list[EngineCoreOutput]:
         step = self.fifo.popleft()
@@ -365,39 +438,42 @@ def test_drafts_never_reach_past_max_tokens(max_tokens: int, depth: int):
 
 
 # -- random interleavings ----------------------------------------------------------------
-# A request is (prompt_len, max_tokens, prefix choice); an op is (kind, a, request), where kind
-# in 0..99 weights schedule and complete over the rest.
-REQUESTS = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2))
-OPS = st.tuples(st.integers(0, 99), st.integers(0, 7), REQUESTS)
+# Examples per run: the "ci" profile (default) runs 500, "long" 10,000 (see tests/conftest.py).
+# Hypothesis draws the engine's shape and a seed; the seed drives the requests and the events.
+# (Event lists drawn by hypothesis itself stay short, and the schedules that matter, like a
+# preemption victim that was already given tokens this step, need long runs under KV pressure.)
+@settings(deadline=None)
+@given(num_blocks=st.integers(8, 20), depth=st.sampled_from([1, 2, 3]),
+       budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["fcfs", "priority"]),
+       seed=st.integers(0, 2**32 - 1), num_events=st.integers(20, 150))
+def test_ledger_under_random_interleavings(num_blocks: int, depth: int, budget: int, policy: str,
+                                           seed: int, num_events: int):
+    """Depth 1 is sync scheduling; the KV oracle checks every read and every published block."""
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, budget=budget, policy=policy)
+    runner = AsyncRunner(sched, random_drafts(random.Random(seed + 1)))
 
-
-@settings(max_examples=150, deadline=None)
-@given(num_blocks=st.integers(12, 30), depth=st.sampled_from([1, 2, 3]),
-       budget=st.sampled_from([8, 16, 64]), seed=st.integers(0, 2**16),
-       initial=st.lists(REQUESTS, min_size=1, max_size=6), ops=st.lists(OPS, max_size=80))
-def test_ledger_under_random_interleavings(
-        num_blocks: int, depth: int, budget: int, seed: int,
-        initial: list[tuple[int, int, int]], ops: list[tuple[int, int, tuple[int, int, int]]]):
-    sched = make_scheduler(num_blocks=num_blocks, budget=budget)
-    runner = AsyncRunner(sched, random_drafts(random.Random(seed)))
-
-    def add(prompt_len: int, max_tokens: int, prefix: int) -> None:
+    def add() -> None:
+        max_tokens = rng.randint(1, 12)
         # Prompt and output must fit the cache together, or the request could never finish.
-        prompt_len = min(prompt_len, (num_blocks - 1) * BS - max_tokens)
+        prompt_len = min(rng.randint(1, 30), (num_blocks - 1) * BS - max_tokens)
         # Three first tokens: some prompts share prefixes, so resumes and new requests hit.
-        runner.add(make_request(f"r{len(runner.requests)}", prompt_len,
-                                first_token=(100, 100, 500)[prefix], max_tokens=max_tokens))
+        n = len(runner.requests)
+        runner.add(make_request(f"r{n}", prompt_len, first_token=rng.choice((100, 100, 500)),
+                                max_tokens=max_tokens, priority=rng.randint(0, 5),
+                                arrival=float(n)))
 
-    for req in initial:
-        add(*req)
-    for kind, a, req in ops:
-        if kind < 15:
-            add(*req)
-        elif kind < 20:
+    for _ in range(rng.randint(1, 8)):
+        add()
+    for _ in range(num_events):
+        kind = rng.randrange(100)
+        if kind < 25:
+            add()
+        elif kind < 30:
             assert runner.reset() is True
-        elif kind < 25:
+        elif kind < 35:
             if sched.requests:
-                runner.abort(sorted(sched.requests)[a % len(sched.requests)])
+                runner.abort(rng.choice(sorted(sched.requests)))
         elif kind < 62:
             if len(runner.fifo) < depth:
                 runner.schedule()
@@ -434,3 +510,28 @@ def test_priority_preemption_of_an_idle_earlier_request_does_not_skip_the_next()
     so = sched.schedule()
     # B's decode needs a new block, so A is preempted; C's decode fits its block and must run.
     assert so.num_scheduled_tokens == {"B": 1, "C": 1}
+
+
+def test_take_back_withdraws_the_blocks_it_published():
+    """A request given tokens this step and then taken back as a preemption victim must not
+    leave the blocks it published for those tokens in the prefix cache: their KV is never
+    written, and a later prefix hit would read garbage (here M's hit on L's third block)."""
+    sched = make_scheduler(num_blocks=6, policy="priority")      # 5 usable blocks of 4
+    drafts = {("L", 12): [target("L", 12), target("L", 13)]}
+    runner = AsyncRunner(sched, lambda rid, pos: drafts.get((rid, pos), []))
+    low = make_request("L", 10, first_token=100, priority=2, arrival=0.0, max_tokens=8)
+    runner.add(low)
+    runner.schedule(), runner.complete()              # L: positions 0-9, three blocks
+    runner.add(make_request("H", 4, first_token=500, priority=0, arrival=1.0, max_tokens=2))
+    runner.schedule(), runner.complete()              # L decodes 10; H takes the fourth block
+    # L computes 11 (filling and publishing its third block) and two drafts (a fifth block);
+    # then H's decode needs a block, and the victim is L, already given its tokens.
+    so = runner.schedule()
+    assert so.num_scheduled_tokens == {"H": 1} and low.status == RequestStatus.PREEMPTED
+    runner.complete()                                 # H finishes and frees its blocks
+    follow_up = Request("M", low.all_token_ids[:12] + [999], SamplingParams(max_tokens=1),
+                        eos_token_id=EOS, arrival_time=2.0, block_size=BS)
+    follow_up.max_tokens = 1
+    runner.add(follow_up)
+    runner.drain(depth=1)                             # the oracle checks every read
+    runner.check_ledger()

@@ -128,6 +128,11 @@ class BlockPool:
         block.block_hash = block_hash
         self.hash_to_block[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Withdraw a block's hash, if the index maps it to this block."""
+        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) is block:
+            self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.hash_to_block[block.block_hash]

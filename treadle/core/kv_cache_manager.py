@@ -1,4 +1,12 @@
-"""Per-request block lists on top of the block pool: prefix lookup, allocation, freeing."""
+"""Per-request block lists on top of the block pool: prefix lookup, allocation, freeing.
+
+The publishing invariant: a block is published to the prefix cache (given its hash) only if
+every slot in it will have been written before any reader can run. Blocks are published at
+allocation, for tokens that are all known, because the step that allocates them writes their
+K/V before any attention reads. So when a step is taken back before it runs (a request
+preempted after it was given tokens this step), what it published must be withdrawn with
+`unpublish`: those slots will never be written.
+"""
 
 from __future__ import annotations
 
@@ -91,6 +99,22 @@ class KVCacheManager:
                 self.pool.cache_block(blocks[i], request.block_hashes[i])
             self.num_cached_blocks[request.request_id] = max(start, num_full)
         return new_blocks
+
+    def num_published_blocks(self, request: Request) -> int:
+        return self.num_cached_blocks.get(request.request_id, 0)
+
+    def unpublish(self, request: Request, num_blocks_before: int) -> None:
+        """Withdraw the hashes the request published after its first `num_blocks_before`
+        blocks: the step that was to write them will not run."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        end = min(self.num_cached_blocks.get(request.request_id, 0), len(blocks))
+        for block in blocks[num_blocks_before:end]:
+            # Published this step, before any other request could look it up.
+            assert block.ref_cnt == 1, f"{block} was shared before its KV was written"
+            self.pool.uncache_block(block)
+        if request.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request.request_id] = min(
+                num_blocks_before, self.num_cached_blocks[request.request_id])
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so shared prefixes stay cached the longest."""

@@ -170,6 +170,8 @@ class Scheduler:
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
+        # Blocks each scheduled running request had published before this step's allocation.
+        published_before: dict[str, int] = {}
 
         # 1. Running requests first, in order; preempt from the back when blocks run out.
         i = 0
@@ -179,6 +181,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            published_before[request.request_id] = self.kv_cache.num_published_blocks(request)
             while True:
                 blocks = self.kv_cache.allocate_slots(request, num_new)
                 if blocks is not None:
@@ -187,11 +190,13 @@ class Scheduler:
                 if self.running.index(victim) < i:
                     i -= 1   # its removal shifts the requests after it
                 if victim in scheduled_running:
-                    # It was given tokens earlier this step: take them back.
+                    # It was given tokens earlier this step: take them back, and withdraw
+                    # the blocks it published for them, whose KV will never be written.
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id, None)
                     spec_tokens.pop(victim.request_id, None)
+                    self.kv_cache.unpublish(victim, published_before[victim.request_id])
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -319,13 +324,20 @@ class Scheduler:
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Account for a returned step: steps return in the order they were scheduled."""
         outputs: list[EngineCoreOutput] = []
-        for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+        sampled_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
+        for rid in sched_out.num_scheduled_tokens:
+            sampled = sampled_of.get(rid)
+            num_in_flight = sched_out.num_in_flight_tokens.get(rid, 0)
+            if sampled is None or (num_in_flight and not sampled) or len(sampled) > num_in_flight:
+                # Accepting it would leave the request's computed count past its known tokens,
+                # and the request would never be scheduled again: fail loudly instead.
+                raise RuntimeError(
+                    f"request {rid} was scheduled to sample {num_in_flight} token(s), but the "
+                    f"model runner returned {'no entry' if sampled is None else len(sampled)}")
             if self._drop_output_of_finished(rid):
                 continue  # finished or aborted while the step ran (the id may be reused since)
             request = self.requests[rid]
             request.num_in_flight_steps -= 1
-            num_in_flight = sched_out.num_in_flight_tokens.get(rid, 0)
-            assert len(sampled) <= num_in_flight, f"{rid}: {len(sampled)} tokens, {num_in_flight} expected"
             if request.num_stale_output_tokens and num_in_flight:
                 # Scheduled before a preemption or reset: FIFO order makes it the stale output.
                 assert request.num_stale_output_tokens >= num_in_flight

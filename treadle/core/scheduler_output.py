@@ -39,7 +39,9 @@ class SchedulerOutput:
     # Requests whose slots the workers must drop before this step (finished or preempted).
     finished_req_ids: set[str] = field(default_factory=set)
     # Per request that samples this step: how many output tokens it puts in flight (1 + drafts).
-    # A prefill chunk that is not the last one samples nothing and is absent.
+    # A prefill chunk that is not the last one samples nothing and is absent. The keys are the
+    # one decision of who samples: the scheduler makes it, the runner obeys it, and a sampling
+    # request that comes back with no token is an engine error.
     num_in_flight_tokens: dict[str, int] = field(default_factory=dict)
     # Draft tokens to verify, per request; they follow its last known token in the step.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

@@ -118,7 +118,10 @@ class EngineCore:
             runner_out = result.result() if isinstance(result, Future) else result
         except Exception as e:   # the step is lost: no state can be trusted after it
             raise EngineDeadError(f"a model step failed: {e!r}") from e
-        return self.scheduler.update_from_output(sched_out, runner_out)
+        try:
+            return self.scheduler.update_from_output(sched_out, runner_out)
+        except Exception as e:   # the runner broke the scheduler's contract for this step
+            raise EngineDeadError(f"a model step's output was invalid: {e}") from e
 
     def drain(self) -> None:
         """Wait for every step in flight and account for it; its outputs go out with the next step()."""
@@ -137,7 +140,10 @@ class EngineCore:
         elif mode == "wait":
             self.prepare_to_finish_requests()
             while not self.is_idle():
-                self._pending += self.step()
+                # step() hands out what was pending, so it is all held again. (`_pending +=
+                # self.step()` would read the list before step() swaps it: every output twice.)
+                outputs = self.step()
+                self._pending.extend(outputs)
         self.paused = True
         self.drain()
         if clear_cache:

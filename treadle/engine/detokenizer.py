@@ -87,33 +87,39 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Add one step's ids; returns the stop string that matched, if any.
 
+        Ids are taken one at a time, exactly as if each had come in a step of its own, so a
+        step of 1 + k tokens (speculative decoding) gives the same output as k + 1 steps: when
+        a stop string completes, the ids after the one that completed it are dropped.
         `stop_terminated`: the last new id is EOS or a stop token id; its text is left out of
         the output unless include_stop_str_in_output. After a stop string matched the sample
         must end: calling update again raises RuntimeError.
         """
         if self._stop_matched is not None:
             raise RuntimeError(f"update() after stop string {self._stop_matched!r} ended the output")
-        self.token_ids.extend(new_token_ids)
-        to_decode = new_token_ids
-        if stop_terminated and new_token_ids and not self.params.include_stop_str_in_output:
-            to_decode = new_token_ids[:-1]
-        start = len(self._text)
-        for token_id in to_decode:
+        last = len(new_token_ids) - 1
+        for i, token_id in enumerate(new_token_ids):
+            self.token_ids.append(token_id)
+            if i == last and stop_terminated and not self.params.include_stop_str_in_output:
+                break
+            start = len(self._text)
             self._window.append(token_id)
             self._text += self._new_text(force=False)
-        return self._check_stop_strings(start)
+            if self._check_stop_strings(start) is not None:
+                break
+        return self._stop_matched
 
     def _check_stop_strings(self, start: int) -> str | None:
-        """Searches text from `start` on, plus the tail before it a stop string could span."""
+        """Finds the first stop string that ends in the text from `start` on."""
         if not self._stop or len(self._text) == start:
             return None
         # As in vLLM, stop strings only count once min_tokens tokens have been generated.
         if len(self.token_ids) <= self.params.min_tokens:
             return None
-        search_from = max(0, start - self._max_stop_len + 1)
         best: tuple[int, str] | None = None
         for s in self._stop:
-            pos = self._text.find(s, search_from)
+            # From where a match of `s` would end in the new text, never wholly in older text
+            # (which min_tokens may have kept from matching).
+            pos = self._text.find(s, max(0, start - len(s) + 1))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is None:

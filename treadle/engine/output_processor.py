@@ -124,20 +124,27 @@ class OutputProcessor:
             state, sample = entry
             state.num_cached_tokens = out.num_cached_tokens
             state.queue_time = out.queue_time
-            if out.new_token_ids:
-                self._observe_tokens(state, len(out.new_token_ids), now)
+            # EOS or a stop token ended it: that token's text is not part of the output.
+            stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            num_before = len(sample.detokenizer.token_ids)
+            stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated)
+            # A stop string that completes inside a multi-token step drops the ids after it:
+            # their logprobs and their count go too, as if they had never been sampled.
+            num_kept = len(sample.detokenizer.token_ids) - num_before
+            if num_kept:
+                self._observe_tokens(state, num_kept, now)
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 first, entries = out.new_prompt_logprobs
                 for offset, lp in enumerate(entries):
                     state.prompt_logprobs[first + offset] = to_logprob_dict(lp, self.token_text)
             if out.new_logprobs and sample.logprobs is not None:
-                sample.logprobs += [to_logprob_dict(lp, self.token_text) for lp in out.new_logprobs]
-            # EOS or a stop token ended it: that token's text is not part of the output.
-            stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-            stop_string = sample.detokenizer.update(out.new_token_ids, stop_terminated)
-            if stop_string is not None and out.finish_reason is None:
+                sample.logprobs += [to_logprob_dict(lp, self.token_text)
+                                    for lp in out.new_logprobs[:num_kept]]
+            if stop_string is not None:
+                # It ends the sample even where the core saw EOS or max_tokens later in the step.
                 sample.finish_reason, sample.stop_reason = "stop", stop_string
-                stopped_by_string.append(out.request_id)
+                if out.finish_reason is None:
+                    stopped_by_string.append(out.request_id)
             elif out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             changed.setdefault(state.request_id, (state, {}))[1][sample.index] = sample

@@ -144,9 +144,13 @@ class ModelRunner:
 
         num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
         ends = ctx + q_lens
-        assert (ends - num_drafts <= slots.num_tokens[idx]).all()
-        # The chunk reaches the last known token: it samples (1 + k tokens with k drafts).
-        samples = ends - num_drafts == slots.num_tokens[idx]
+        # Who samples is the scheduler's decision; the runner obeys it. A request samples
+        # (1 + k tokens with k drafts) when its chunk reaches its last known token.
+        samples = np.array([rid in so.num_in_flight_tokens for rid in req_ids], dtype=bool)
+        reaches_end = ends - num_drafts == slots.num_tokens[idx]
+        assert (ends - num_drafts <= slots.num_tokens[idx]).all() and (samples == reaches_end).all(), (
+            f"the scheduler's sampling requests {sorted(so.num_in_flight_tokens)} disagree with "
+            f"the runner's token counts for {[r for r, m in zip(req_ids, samples != reaches_end) if m]}")
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if samples.any():

@@ -4,12 +4,17 @@ test_correctness.py."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
 import pytest
 import torch
+import torch.utils.cpp_extension
 
 from treadle import LLM, SamplingParams
 from treadle.attention.torch_backend import DECODE_CHUNK_TOKENS, GatherBuffer, build_metadata
+from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
 from treadle.models.llama import RMSNorm, apply_rope
@@ -263,3 +268,35 @@ def test_fused_ops_refuse_bad_inputs():
         torch.ops.treadle.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
     with pytest.raises(RuntimeError, match="cos/sin"):
         torch.ops.treadle.rope_(torch.zeros(2, 3, 8), torch.zeros(1, 8), torch.zeros(1, 8))
+
+
+def test_build_name_follows_the_torch_installation(monkeypatch, tmp_path):
+    """Two venvs with the same torch version keep separate builds; a symlinked path is the same
+    installation."""
+    name = cpu.build_name()
+    torch_dir = os.path.dirname(torch.__file__)
+    (tmp_path / "link").symlink_to(torch_dir)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "link" / "__init__.py"))
+    assert cpu.build_name() == name
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert cpu.build_name() != name
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_failed_build_falls_back_unless_required(monkeypatch, tmp_path, caplog, required):
+    def no_compiler(**kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpu, "_loaded", None)   # as in a fresh process
+    monkeypatch.setenv("TREADLE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.delenv("TREADLE_CPU_KERNELS", raising=False)
+    if required:
+        monkeypatch.setenv("TREADLE_REQUIRE_CPU_KERNELS", "1")
+        with pytest.raises(RuntimeError, match="TREADLE_REQUIRE_CPU_KERNELS=1.*no compiler here"):
+            cpu_kernels_available(CPU)
+    else:
+        monkeypatch.delenv("TREADLE_REQUIRE_CPU_KERNELS", raising=False)
+        with caplog.at_level(logging.WARNING, logger="treadle.kernels.cpu"):
+            assert cpu_kernels_available(CPU) is False
+        assert "slower torch path: no compiler here" in caplog.text

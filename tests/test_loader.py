@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import shutil
+import subprocess
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.test_cli import TREADLE
 from tests.tiny_models import tiny_checkpoint_dir
 from treadle.models import loader
-from treadle.models.loader import (default_model_path, iter_hf_weights, load_hf_config, prepare_model,
-                                   load_tokenizer, resolve_model, unpermute_rope_rows)
+from treadle.models.loader import (default_model_path, gguf_content_key, gguf_source,
+                                   iter_hf_weights, load_hf_config, prepare_model, load_tokenizer,
+                                   resolve_model, unpermute_rope_rows)
 
 
 # -- finding the model ------------------------------------------------------------------------
@@ -69,6 +76,17 @@ def test_converted_gguf_folder_equals_the_gguf(gguf_path, hf_gguf_state, tmp_pat
     monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path))
     folder = prepare_model(gguf_path)
     assert folder.startswith(str(tmp_path)) and prepare_model(gguf_path) == folder  # built once
+    assert gguf_source(folder) == os.path.abspath(gguf_path)
+    assert [f for f in os.listdir(tmp_path / "gguf") if f.startswith(".tmp")] == []
+    # The same content elsewhere (a reinstall, a copy) finds the conversion: it is keyed by
+    # content, not by path or mtime.
+    copy = tmp_path / "reinstalled" / "model.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(gguf_path, copy)
+    os.utime(copy, ns=(1_000_000_000, 1_000_000_000))
+    assert loader._file_key(str(copy))[1:] != loader._file_key(gguf_path)[1:]
+    assert gguf_content_key(str(copy)) == gguf_content_key(gguf_path)
+    assert prepare_model(str(copy)) == folder
     ours = dict(iter_hf_weights(folder))
     assert set(ours) == set(hf_gguf_state) - {"lm_head.weight"}
     for name, tensor in ours.items():
@@ -79,6 +97,73 @@ def test_converted_gguf_folder_equals_the_gguf(gguf_path, hf_gguf_state, tmp_pat
     text = "<|im_start|>user\nünïcödé 🙂<|im_end|>"
     assert load_tokenizer(folder).encode(text) == load_tokenizer(gguf_path).encode(text)
     assert load_tokenizer(folder).chat_template == load_tokenizer(gguf_path).chat_template
+
+
+def _write_gguf(path, tokens: list[str], data: np.ndarray,
+                endian: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> str:
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    writer.add_string("general.name", "tiny")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.scores", [0.5] * len(tokens))
+    writer.add_tensor("token_embd.weight", data)
+    writer.add_tensor("output_norm.weight", np.ones(16, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_gguf_content_key_reads_the_header_and_samples_the_data(tmp_path, endian):
+    data = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+    base = _write_gguf(tmp_path / "a.gguf", ["a", "bb", "ccc"], data, endian)
+    # The header ends where gguf's own reader says the (aligned) tensor data starts.
+    with open(base, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        end = loader._gguf_header_end(buf)
+    assert 0 <= gguf.GGUFReader(base).data_offset - end < 32
+    key = gguf_content_key(base)
+    assert gguf_content_key(_write_gguf(tmp_path / "b.gguf", ["a", "bb", "ccc"], data, endian)) == key
+    other_vocab = _write_gguf(tmp_path / "c.gguf", ["a", "bb", "ccd"], data, endian)
+    assert gguf_content_key(other_vocab) != key
+    tuned = data.copy()
+    tuned[0, 0] += 1   # the first bytes of the data are always sampled
+    assert gguf_content_key(_write_gguf(tmp_path / "d.gguf", ["a", "bb", "ccc"], tuned, endian)) != key
+
+
+def test_gguf_content_key_refuses_a_broken_file(tmp_path):
+    _write_gguf(tmp_path / "good.gguf", ["a"], np.zeros((2, 16), dtype=np.float32))
+    header = (tmp_path / "good.gguf").read_bytes()[:40]
+    for name, content in (("empty", b""), ("magic", b"GGML" + header[4:]),
+                          ("truncated", header)):
+        (tmp_path / f"{name}.gguf").write_bytes(content)
+        with pytest.raises(ValueError, match="not a readable GGUF"):
+            gguf_content_key(str(tmp_path / f"{name}.gguf"))
+
+
+def test_cache_cli_lists_and_cleans(tmp_path):
+    """`treadle cache list / clean [--gguf | --kernels]`, run as a user would."""
+    def cache(*args: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "TREADLE_KERNEL_DIR"}
+        out = subprocess.run([TREADLE, "cache", *args], capture_output=True, text=True,
+                             timeout=120, env={**env, "TREADLE_CACHE_DIR": str(tmp_path)})
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    conversion = tmp_path / "gguf" / "0123456789abcdef"
+    build = tmp_path / "kernels" / "treadle_cpu_0123456789ab"
+    for folder, size in ((conversion, 3 * 2**20), (build, 2**20)):
+        folder.mkdir(parents=True)
+        (folder / "data").write_bytes(b"x" * size)
+    (conversion / ".complete").write_text("/models/tiny.gguf")
+    listing = cache("list")
+    assert "3.0 MiB" in listing and "from /models/tiny.gguf" in listing
+    assert "1.0 MiB" in listing and "2 cache entries, 4.0 MiB" in listing
+    assert "removed 1 cache entries, 3.0 MiB" in cache("clean", "--gguf")
+    assert not conversion.exists() and build.exists()
+    assert "removed 1 cache entries, 1.0 MiB" in cache("clean")
+    assert os.listdir(tmp_path / "gguf") == [] and os.listdir(tmp_path / "kernels") == []
+    assert "0 cache entries, 0.0 MiB" in cache("list")
 
 
 def test_gguf_head_counts_default_to_the_file_metadata(gguf_path, hf_gguf_state):

@@ -349,7 +349,8 @@ def test_error_classes(server, client):
 
 
 def test_api_key_and_log_len(llama, tmp_path):
-    srv = Server(llama, tmp_path, "--max-log-len", "6", env={"TREADLE_API_KEY": "sesame"})
+    srv = Server(llama, tmp_path, "--enable-log-requests", "--max-log-len", "6",
+                 env={"TREADLE_API_KEY": "sesame"})
     try:
         assert srv.request("GET", "/health")[0] == 200   # open to health checks
         with pytest.raises(openai.AuthenticationError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 from typing import Any
 
@@ -123,6 +125,57 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         sys.stdout.write(reply + "\n")
 
 
+def _tree_size(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.lstat(path).st_size
+    return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
+
+
+def _cache_entries(ns: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(kind, path, description) of every cached conversion and kernel build asked for."""
+    from treadle.kernels.cpu import build_name, kernel_root
+    from treadle.models.loader import gguf_cache_dir, gguf_source
+
+    both = not (ns.gguf or ns.kernels)
+    entries = []
+    gguf_dir, kernel_dir = gguf_cache_dir(), str(kernel_root())
+    if (both or ns.gguf) and os.path.isdir(gguf_dir):
+        for name in sorted(os.listdir(gguf_dir)):
+            path = os.path.join(gguf_dir, name)
+            source = gguf_source(path)
+            entries.append(("gguf", path, f"from {source}" if source else "unfinished or old format"))
+    if (both or ns.kernels) and os.path.isdir(kernel_dir):
+        # Only our own builds: TREADLE_KERNEL_DIR may point at a folder that holds other things.
+        current = build_name()
+        for name in sorted(os.listdir(kernel_dir)):
+            if name.startswith("treadle_cpu_"):
+                entries.append(("kernels", os.path.join(kernel_dir, name),
+                                "built for this torch and CPU" if name == current else
+                                "built for another torch installation, source or CPU"))
+    return entries
+
+
+def cmd_cache(ns: argparse.Namespace) -> int:
+    entries = _cache_entries(ns)
+    total = 0
+    for kind, path, description in entries:
+        size = _tree_size(path)
+        total += size
+        if ns.cache_command == "clean":
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            sys.stdout.write(f"removed {path} ({size / 2**20:.1f} MiB)\n")
+        else:
+            sys.stdout.write(f"{kind:8s} {size / 2**20:9.1f} MiB  {path}  ({description})\n")
+    if ns.cache_command == "clean":
+        sys.stdout.write(f"removed {len(entries)} cache entries, {total / 2**20:.1f} MiB\n")
+    else:
+        sys.stdout.write(f"{len(entries)} cache entries, {total / 2**20:.1f} MiB\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="treadle",
@@ -153,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve_args.add_cli_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=serve_args.main)
+
+    cache = sub.add_parser(
+        "cache", help="list or remove cached GGUF conversions and CPU kernel builds",
+        description="GGUF conversions live in $TREADLE_CACHE_DIR/gguf (default ~/.cache/treadle), "
+                    "CPU kernel builds in $TREADLE_KERNEL_DIR (default the cache's kernels/). "
+                    "Both are rebuilt on demand.")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    for name, text in (("list", "show cached entries and their sizes"),
+                       ("clean", "remove cached entries (all, unless --gguf or --kernels)")):
+        p = cache_sub.add_parser(name, help=text, description=text)
+        p.add_argument("--gguf", action="store_true", help="only GGUF conversions")
+        p.add_argument("--kernels", action="store_true", help="only CPU kernel builds")
+        p.set_defaults(func=cmd_cache)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")

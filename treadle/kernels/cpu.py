@@ -5,10 +5,11 @@
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch
   expressions they replace make three to five.
 
-torch.utils.cpp_extension compiles them once per source, torch version and CPU (they use
--march=native) into TREADLE_KERNEL_DIR, by default ~/.cache/treadle/kernels; later processes
-only load the library. Without a compiler, or with TREADLE_CPU_KERNELS=0, the model runs
-its plain torch path, op for op as transformers does.
+torch.utils.cpp_extension compiles them once per source, torch installation and CPU (they
+use -march=native) into TREADLE_KERNEL_DIR, by default the `kernels` folder of the treadle cache
+(~/.cache/treadle or TREADLE_CACHE_DIR); later processes only load the library. Without a
+compiler, or with TREADLE_CPU_KERNELS=0, the model runs its plain torch path, op for op as
+transformers does; TREADLE_REQUIRE_CPU_KERNELS=1 (for CI) makes a failed build an error.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from treadle.models.loader import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +57,38 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def kernel_root() -> Path:
+    """Where kernel builds live: TREADLE_KERNEL_DIR, else `kernels` in the treadle cache."""
+    return Path(os.environ.get("TREADLE_KERNEL_DIR") or Path(cache_root()) / "kernels")
+
+
+def build_name() -> str:
+    """The build's folder and library name, one per source, flags, CPU and torch installation.
+
+    Two venvs with the same torch version link against different libtorch files, and ninja
+    rebuilds when the source paths in its build file change; keyed by both, each installation
+    keeps its own build instead of rebuilding another's in turn.
+    """
+    where = [str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent)]
+    parts = [p.read_text() for p in SOURCES] + [torch.__version__, *where, " ".join(CFLAGS),
+                                                _cpu_flags()]
+    return "treadle_cpu_" + hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
+
+
 def _build_and_load() -> bool:
     from torch.utils.cpp_extension import load
 
-    parts = [p.read_text() for p in SOURCES] + [torch.__version__, " ".join(CFLAGS), _cpu_flags()]
-    name = "treadle_cpu_" + hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("TREADLE_KERNEL_DIR", Path.home() / ".cache" / "treadle" / "kernels"))
-    build_dir = root / name
+    name = build_name()
+    build_dir = kernel_root() / name
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only home: the torch path still works
+        if os.environ.get("TREADLE_REQUIRE_CPU_KERNELS") == "1":
+            raise RuntimeError(f"TREADLE_REQUIRE_CPU_KERNELS=1, but the CPU kernels failed to "
+                               f"build or load in {build_dir}: {e}") from e
         logger.warning("CPU kernels unavailable, the model runs its slower torch path: %s", e)
         return False
     logger.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - start, build_dir)

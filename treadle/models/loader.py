@@ -12,9 +12,11 @@ import glob
 import hashlib
 import importlib.util
 import logging
+import mmap
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Iterator
@@ -116,10 +118,18 @@ def _gguf_tokenizer(key: tuple[str, int, int]) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
-# -- GGUF -> HF folder, once per file ---------------------------------------------------------
+# -- GGUF -> HF folder, once per content -----------------------------------------------------
 # Even memoised per process, a GGUF costs ~20 s to parse and dequantize in every new process
 # (servers, workers, test runs). Converted once into an ordinary HF folder, it loads in ~1 s.
-_COMPLETE = ".complete"
+# The folder is keyed by the file's content, not its path or mtime, so a reinstalled or copied
+# model finds its conversion instead of leaving an orphan beside a new one.
+_COMPLETE = ".complete"   # written last; holds the path the GGUF was converted from
+# GGUF metadata value types: byte sizes of the fixed-size ones (u8, i8, u16, i16, u32, i32, f32,
+# bool, u64, i64, f64); strings and arrays carry their length.
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# Fine-tunes of one base model can share every header byte, so the key also samples the data.
+_KEY_SAMPLES, _KEY_SAMPLE_BYTES = 64, 4096
 
 
 def cache_root() -> str:
@@ -127,30 +137,106 @@ def cache_root() -> str:
         os.path.expanduser("~"), ".cache", "treadle")
 
 
+def gguf_cache_dir() -> str:
+    """Where converted GGUF folders live."""
+    return os.path.join(cache_root(), "gguf")
+
+
+def gguf_content_key(path: str) -> str:
+    """A digest of a GGUF's content: the file size, the header, metadata and tensor infos (names,
+    types, shapes, data offsets), and 64 evenly spaced 4 KiB samples of the tensor data.
+
+    It reads a few MB at most, never the whole file, and ignores the path and mtime.
+    """
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            end = _gguf_header_end(buf)
+            digest = hashlib.sha256(str(len(buf)).encode())
+            digest.update(buf[:end])
+            span = len(buf) - end
+            for i in range(_KEY_SAMPLES):
+                start = end + span * i // _KEY_SAMPLES
+                digest.update(buf[start:start + _KEY_SAMPLE_BYTES])
+    # An empty file, a bad magic, a length past the end, an unknown value type.
+    except (ValueError, struct.error, KeyError) as e:
+        raise ValueError(f"model {path!r} is not a readable GGUF file: {e}") from None
+    return digest.hexdigest()[:16]
+
+
+def _gguf_header_end(buf: mmap.mmap) -> int:
+    """The offset just past a GGUF's tensor infos, found by skipping over every value."""
+    if buf[:4] != b"GGUF":
+        raise ValueError(f"bad magic {bytes(buf[:4])!r}")
+    # A big-endian file's version, read little-endian, has its low half zero.
+    order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
+    version, num_tensors, num_kvs = struct.unpack_from(order + "IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}")
+    u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+
+    def skip(kind: int, at: int) -> int:
+        """The offset after the value of type `kind` that starts at `at`."""
+        if kind == _GGUF_STRING:
+            return at + 8 + u64.unpack_from(buf, at)[0]
+        if kind != _GGUF_ARRAY:
+            return at + _GGUF_SCALAR_SIZES[kind]
+        item, count = u32.unpack_from(buf, at)[0], u64.unpack_from(buf, at + 4)[0]
+        at += 12
+        if item in _GGUF_SCALAR_SIZES:
+            return at + count * _GGUF_SCALAR_SIZES[item]
+        for _ in range(count):   # strings (a tokenizer's vocabulary) or nested arrays
+            at = skip(item, at)
+        return at
+
+    pos = 24
+    for _ in range(num_kvs):
+        pos = skip(_GGUF_STRING, pos)                       # the key
+        pos = skip(u32.unpack_from(buf, pos)[0], pos + 4)   # its type, then its value
+    for _ in range(num_tensors):
+        pos = skip(_GGUF_STRING, pos)                       # the name
+        pos += 4 + 8 * u32.unpack_from(buf, pos)[0] + 4 + 8  # n_dims, dims, type, data offset
+    if pos > len(buf):
+        raise ValueError(f"the header runs past the end of the file ({pos} > {len(buf)} bytes)")
+    return pos
+
+
 def gguf_as_folder(gguf_path: str) -> str:
     """A HF folder (config, tokenizer, fp32 safetensors) equal to the GGUF, built on first use."""
     from safetensors.torch import save_file
 
-    digest = hashlib.sha256(repr(_file_key(gguf_path)).encode()).hexdigest()[:16]
-    name = os.path.basename(gguf_path).removesuffix(".gguf")
-    folder = os.path.join(cache_root(), "gguf", f"{name}-{digest}")
+    folder = os.path.join(gguf_cache_dir(), gguf_content_key(gguf_path))
     if os.path.exists(os.path.join(folder, _COMPLETE)):
         return folder
     logger.info("converting %s into %s (once)", gguf_path, folder)
     start = time.perf_counter()
     os.makedirs(os.path.dirname(folder), exist_ok=True)
+    # Built aside and renamed into place, so a folder under its final name is always complete.
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
-    config = load_hf_config(gguf_path)
-    config.save_pretrained(tmp)
-    load_tokenizer(gguf_path).save_pretrained(tmp)
-    save_file(dict(_iter_gguf(gguf_path, config)), os.path.join(tmp, "model.safetensors"))
-    open(os.path.join(tmp, _COMPLETE), "w").close()
     try:
+        config = load_hf_config(gguf_path)
+        config.save_pretrained(tmp)
+        load_tokenizer(gguf_path).save_pretrained(tmp)
+        save_file(dict(_iter_gguf(gguf_path, config)), os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, _COMPLETE), "w") as f:
+            f.write(os.path.abspath(gguf_path))
         os.replace(tmp, folder)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+        if not os.path.exists(os.path.join(folder, _COMPLETE)):
+            raise
+        logger.info("another process converted %s first", gguf_path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted in %.1fs", time.perf_counter() - start)
     return folder
+
+
+def gguf_source(folder: str) -> str | None:
+    """The GGUF a cached folder was converted from; None for an unfinished or foreign folder."""
+    try:
+        with open(os.path.join(folder, _COMPLETE)) as f:
+            return f.read() or None
+    except OSError:
+        return None
 
 
 # -- weights ----------------------------------------------------------------------------------

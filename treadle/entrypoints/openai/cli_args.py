@@ -24,6 +24,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("TREADLE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "[default: $TREADLE_API_KEY, else none]")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request (prompts, sampling params) and each disconnect at INFO "
+                        "[default: off; they log at DEBUG]")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="longest prompt (chars or token ids) shown in request logs [default: all]")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,

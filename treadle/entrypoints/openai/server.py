@@ -10,12 +10,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import signal
 import time
 from types import FrameType
 from typing import Annotated, Any, AsyncIterator, Literal
 
+import psutil
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi import FastAPI, Query, Request
@@ -34,6 +36,7 @@ from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.serving_chat import ChatServing
 from treadle.entrypoints.openai.serving_completion import CompletionServing
+from treadle.models.loader import prepare_model
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +63,10 @@ class APIKeyMiddleware:
 
 
 def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
-              api_key: str | None = None, max_log_len: int | None = None) -> FastAPI:
+              api_key: str | None = None, max_log_len: int | None = None,
+              log_requests: bool = False) -> FastAPI:
     """The app serving `engine`; it shuts the engine down when the app stops."""
-    serving = OpenAIServing(engine, model_names, max_log_len)
+    serving = OpenAIServing(engine, model_names, max_log_len, log_requests)
     completions, chat = CompletionServing(serving), ChatServing(serving)
     created = int(time.time())
 
@@ -242,11 +246,22 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, engine: AsyncLLM,
-                 shutdown_timeout: float) -> None:
+                 shutdown_timeout: float, phases: list[tuple[str, float]]) -> None:
         super().__init__(config)
         self._app = app
         self._engine = engine
         self._shutdown_timeout = shutdown_timeout
+        self._phases = phases   # (start-up phase, process age at its end)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)   # exits the process if the port cannot be bound
+        ready = process_age()
+        parts, begin = [], 0.0
+        for name, end in [*self._phases, ("HTTP server", ready)]:
+            parts.append(f"{name} {end - begin:.1f} s")
+            begin = end
+        logger.info("ready to serve %s, %.1f s after the process started: %s",
+                    ", ".join(self._app.state.serving.model_names), ready, ", ".join(parts))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's own handler, except that it does not keep the signal to re-raise after
@@ -276,16 +291,31 @@ class _Server(uvicorn.Server):
             await engine.pause_generation(mode="abort", clear_cache=False)
 
 
+def process_age() -> float:
+    """Seconds since this process started, the interpreter's own start-up included."""
+    try:
+        # Linux: the start in clock ticks since boot. psutil adds a boot time rounded to the
+        # second, too coarse for a start-up that takes a few.
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, ValueError, IndexError):
+        return time.time() - psutil.Process().create_time()
+
+
 def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     """Build the engine, then serve until SIGTERM/SIGINT; returns the exit code."""
+    phases = [("imports", process_age())]
+    # A GGUF is converted once per content, ~20 s; timed on its own, as it is ms afterwards.
+    model_path = prepare_model(engine_args.get("model"))
+    phases.append(("model files", process_age()))
     logger.info("loading the engine")
-    engine = AsyncLLM(**engine_args)
-    model_path = engine.config.model.model
+    engine = AsyncLLM(**{**engine_args, "model": model_path})
+    phases.append(("engine", process_age()))
     names = ns.served_model_name or [engine_args.get("model") or DEFAULT_SERVED_NAME]
-    app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len)
+    app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len,
+                    log_requests=ns.enable_log_requests)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
-    server = _Server(config, app, engine, ns.shutdown_timeout)
-    logger.info("engine ready; serving it as %s", ", ".join(names))
-    server.run()
+    _Server(config, app, engine, ns.shutdown_timeout, phases).run()
     return 0

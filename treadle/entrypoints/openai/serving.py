@@ -69,11 +69,15 @@ class OpenAIServing:
     """The server's state (engine, model names, shutting down) and the helpers every
     endpoint uses; completions and chat build on one shared instance."""
 
-    def __init__(self, engine: AsyncLLM, model_names: list[str], max_log_len: int | None) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], max_log_len: int | None,
+                 log_requests: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.get_tokenizer()
         self.model_names = model_names
         self.max_log_len = max_log_len
+        # Per-request lines (the request, a disconnect, an abort) flood an eval run's log, so
+        # they show at INFO only with --enable-log-requests.
+        self.request_log_level = logging.INFO if log_requests else logging.DEBUG
         self.shutting_down = False
 
     @property
@@ -148,12 +152,13 @@ class OpenAIServing:
         """Run the prompts; `respond(final outputs)` builds a whole response, `events(first
         outputs, streams)` the chunks of a streamed one."""
         self.log_request(request_id, prompts, params)
-        streams = PromptStreams(self.engine, prompts, params, request_id, priority)
+        streams = PromptStreams(self.engine, prompts, params, request_id, priority,
+                                log_level=self.request_log_level)
         try:
             firsts = await until_disconnected(raw, streams.start())
         except ClientDisconnected:
             await streams.aclose()
-            logger.info("request %s: client disconnected", request_id)
+            logger.log(self.request_log_level, "request %s: client disconnected", request_id)
             return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
         except ValueError as e:
             await streams.aclose()
@@ -168,13 +173,14 @@ class OpenAIServing:
 
     def log_request(self, request_id: str, prompts: list[dict[str, Any]], params: SamplingParams
                     ) -> None:
-        if not logger.isEnabledFor(logging.INFO):
+        if not logger.isEnabledFor(self.request_log_level):
             return
         n = self.max_log_len
         shown = [p.get("prompt") if p.get("prompt") is not None else p["prompt_token_ids"]
                  for p in prompts]
         shown = [s[:n] if n is not None else s for s in shown]
-        logger.info("request %s: prompts=%r, params=%s", request_id, shown, params)
+        logger.log(self.request_log_level, "request %s: prompts=%r, params=%s", request_id, shown,
+                   params)
 
 
 def usage(outputs: list[RequestOutput], count_completion: bool = True) -> UsageInfo:

@@ -36,8 +36,9 @@ class PromptStreams:
     """
 
     def __init__(self, engine: AsyncLLM, prompts: list[dict[str, Any]], params: SamplingParams,
-                 request_id: str, priority: int = 0) -> None:
+                 request_id: str, priority: int = 0, log_level: int = logging.DEBUG) -> None:
         self.request_id = request_id
+        self._log_level = log_level   # of the per-request abort line
         self._gens: list[AsyncGenerator[RequestOutput, None]] = [
             engine.generate(p, params, f"{request_id}-{i}", priority=priority)
             for i, p in enumerate(prompts)]
@@ -77,7 +78,8 @@ class PromptStreams:
         tasks = list(self._pending)
         self._pending.clear()
         if tasks:
-            logger.info("request %s: aborting %d unfinished prompt(s)", self.request_id, len(tasks))
+            logger.log(self._log_level, "request %s: aborting %d unfinished prompt(s)",
+                       self.request_id, len(tasks))
         for task in tasks:
             task.cancel()   # the generator sees the cancellation and aborts its request
         await asyncio.gather(*tasks, return_exceptions=True)

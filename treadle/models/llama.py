@@ -76,11 +76,18 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.config, self.head_dim = config, head_dim
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.compute_tables()
+
+    def compute_tables(self) -> None:
+        """Fill the fp32 cos/sin tables; again after the model was built on the meta device."""
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.config, self.head_dim).to(device)
+        positions = torch.arange(self.cos.shape[0], dtype=torch.float32, device=device)
+        emb = torch.cat((positions[:, None] * inv_freq[None, :],) * 2, dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, D]: broadcast over heads.

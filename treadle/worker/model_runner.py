@@ -45,13 +45,16 @@ class ModelRunner:
         cfg = self.config.model
         start = time.perf_counter()
         model_cls = get_model_class(cfg.hf_config)
-        with torch.device(self.device):
+        # Built without initial values: the strict load below sets every parameter, so a
+        # random init would be wasted (about a second of start-up for SmolLM2).
+        with torch.device("meta"):
             model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len)
+        model.to_empty(device=self.device)
         model.load_weights(iter_hf_weights(cfg.model))
         self.model = model.to(dtype=self.dtype).eval()
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-        # RoPE tables stay fp32, as in transformers.
-        self.model.model.rotary.float()
+        # RoPE tables are computed, not loaded, and stay fp32, as in transformers.
+        self.model.model.rotary.compute_tables()
         self.model.pack_weights()
         if self.native_kernels:
             self.model.use_cpu_kernels()

@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 
 import pytest
-import torch
 
 from tests.reference import HFReference
 from tests.test_correctness import TEXTS

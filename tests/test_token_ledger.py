@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
@@ -21,6 +21,7 @@ from hypothesis import given, settings, strategies as st
 from tests.test_scheduler import BS, EOS, make_request, make_scheduler
 from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.kv_transfer import KVConnectorOutput
 from treadle.request import Request, RequestStatus
 from treadle.sampling_params import SamplingParams
 
@@ -59,6 +60,9 @@ def random_drafts(rng: random.Random) -> Proposer:
     return propose
 
 
+POISON = object()   # KV computed on top of a block that failed to load
+
+
 class KVOracle:
     """What every KV slot holds, as a fake worker would write it: the publishing invariant's test.
 
@@ -73,11 +77,21 @@ class KVOracle:
         self.block_size = block_size
         self.tables: dict[str, list[int]] = {}          # the workers' block table per request
         self.slots: dict[tuple[int, int], int] = {}     # (block, offset) -> prefix key
+        # Requests whose KV load failed, until the workers drop their slot: every step of
+        # theirs until then reads the missing block and computes poison.
+        self.poisoned: set[str] = set()
 
-    def run_step(self, so: SchedulerOutput, input_tokens: Callable[[str, int, list[int]], list[int]]) -> None:
-        """`input_tokens(rid, end, drafts)`: the request's tokens at positions [0, end)."""
+    def run_step(self, so: SchedulerOutput, input_tokens: Callable[[str, int, list[int]], list[int]],
+                 load_fails: Callable[[str, int], bool] | None = None) -> set[int]:
+        """`input_tokens(rid, end, drafts)`: the request's tokens at positions [0, end).
+
+        The step's KV loads (`so.kv_loads`) land first, except blocks `load_fails(rid, index)`
+        picks: those keep whatever they held, and what their request computes on top of them
+        is poison. Returns the ids of the blocks that failed to load."""
+        invalid: set[int] = set()
         for rid in so.finished_req_ids:
             self.tables.pop(rid, None)
+            self.poisoned.discard(rid)
         start: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             self.tables[new.req_id] = list(new.block_ids)
@@ -94,17 +108,34 @@ class KVOracle:
             for tok in input_tokens(rid, end, so.scheduled_spec_decode_tokens.get(rid, [])):
                 key = hash((key, tok))
                 keys[rid].append(key)
-            for pos in range(start[rid], end):   # every write of the step lands before any read
-                self.slots[self._slot(rid, pos)] = keys[rid][pos]
+        for rid, (first, block_ids, _) in so.kv_loads.items():
+            for i, block in enumerate(block_ids, start=first):
+                if load_fails is not None and load_fails(rid, i):
+                    invalid.add(block)
+                    self.poisoned.add(rid)
+                    continue
+                for offset in range(self.block_size):
+                    self.slots[(block, offset)] = keys[rid][i * self.block_size + offset]
+        for rid, n in so.num_scheduled_tokens.items():
+            for pos in range(start[rid], start[rid] + n):   # every write lands before any read
+                self.slots[self._slot(rid, pos)] = POISON if rid in self.poisoned else keys[rid][pos]
         for rid, prefix_keys in keys.items():
+            if rid in self.poisoned:
+                continue   # it reads a block that never arrived: its steps are recovered from
             for pos, key in enumerate(prefix_keys):
                 assert self.slots.get(self._slot(rid, pos)) == key, (
                     f"{rid} reads position {pos} from block {self._slot(rid, pos)[0]}, "
                     "which does not hold its KV")
+        return invalid
 
-    def check_published(self, hash_to_block: dict, tokens_of: dict[bytes, list[int]]) -> None:
-        """Every block in the prefix cache holds the KV of the tokens its hash stands for."""
+    def check_published(self, hash_to_block: dict, tokens_of: dict[bytes, list[int]],
+                        exempt: set[int] = frozenset()) -> None:
+        """Every block in the prefix cache holds the KV of the tokens its hash stands for,
+        except `exempt` ones: blocks whose load failed in a step that has not returned yet,
+        which the scheduler withdraws when it does (nothing can reach them before)."""
         for block_hash, block in hash_to_block.items():
+            if block.block_id in exempt:
+                continue
             key, keys = 0, []
             for tok in tokens_of[block_hash]:
                 key = hash((key, tok))
@@ -121,14 +152,17 @@ class KVOracle:
 class InFlightStep:
     so: SchedulerOutput
     first_pos: dict[str, int]   # rid -> position of the first token this step samples for it
+    invalid_block_ids: set[int] = field(default_factory=set)   # its KV loads that failed
 
 
 class AsyncRunner:
     """Drives the scheduler like the async engine: steps are scheduled ahead, returned in order."""
 
-    def __init__(self, sched: Scheduler, propose: Proposer | None = None) -> None:
+    def __init__(self, sched: Scheduler, propose: Proposer | None = None,
+                 load_fails: Callable[[str, int], bool] | None = None) -> None:
         self.sched = sched
         self.propose = propose
+        self.load_fails = load_fails   # (rid, block index) -> whether that KV load fails
         self.fifo: deque[InFlightStep] = deque()
         self.requests: dict[str, Request] = {}     # every request ever added, finished or not
         self.delivered: dict[str, list[int]] = defaultdict(list)
@@ -155,14 +189,21 @@ class AsyncRunner:
                      for rid in so.num_in_flight_tokens}
         for rid, n in so.num_scheduled_tokens.items():
             self.scheduled_tokens[rid] += n
-        self.fifo.append(InFlightStep(so, first_pos))
-        self.kv.run_step(so, self.input_tokens)
+        invalid = self.kv.run_step(so, self.input_tokens, self.load_fails)
+        self.fifo.append(InFlightStep(so, first_pos, invalid))
+        self.check_published()
+        self.check_in_flight()
+        return so
+
+    def check_published(self) -> None:
         for r in self.sched.requests.values():
             for i in range(len(r.block_hashes)):
                 self.tokens_of_hash.setdefault(r.block_hashes[i], r.all_token_ids[:(i + 1) * BS])
-        self.kv.check_published(self.sched.kv_cache.pool.hash_to_block, self.tokens_of_hash)
-        self.check_in_flight()
-        return so
+        # Requests with a failed load in a step not yet returned, and every block they hold.
+        failing = {rid for step in self.fifo for rid, (_, ids, _) in step.so.kv_loads.items()
+                   if step.invalid_block_ids & set(ids)}
+        exempt = {b for rid in failing for b in self.sched.kv_cache.get_block_ids(rid)}
+        self.kv.check_published(self.sched.kv_cache.pool.hash_to_block, self.tokens_of_hash, exempt)
 
     def input_tokens(self, rid: str, end: int, drafts: list[int]) -> list[int]:
         """A step's input: the prompt, the outputs (known or in flight), then its drafts."""
@@ -193,12 +234,15 @@ class AsyncRunner:
                 proposals[rid] = drafts
         outs = self.sched.update_from_output(
             so, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                  draft_token_ids=proposals))
+                                  draft_token_ids=proposals,
+                                  kv_connector_output=KVConnectorOutput(
+                                      invalid_block_ids=step.invalid_block_ids)))
         for out in outs:
             assert out.request_id not in self.finish_reason, f"{out.request_id}: output after finishing"
             self.delivered[out.request_id].extend(out.new_token_ids)
             if out.finish_reason is not None:
                 self.finish_reason[out.request_id] = out.finish_reason
+        self.check_published()
         self.check_in_flight()
         return outs
 
@@ -254,6 +298,8 @@ class AsyncRunner:
                 assert r.status == RequestStatus.FINISHED_ABORTED, rid
                 assert got == self.at_abort[rid], f"{rid}: output after the abort"
                 assert rid not in self.finish_reason, rid
+            elif self.finish_reason.get(rid) == "error":   # a failed KV load, policy "fail"
+                assert r.status == RequestStatus.FINISHED_ERROR, rid
             else:
                 assert len(got) == r.max_tokens, f"{rid}: {len(got)} of {r.max_tokens} tokens"
                 assert self.finish_reason.get(rid) == "length", rid

@@ -80,13 +80,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str) -> "SpeculativeConfig":
-        if isinstance(spec, str):   # JSON, from the command line
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        spec = _json_dict("speculative_config", spec)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(spec) - known
         if unknown:
@@ -103,6 +97,51 @@ class SpeculativeConfig:
         return config
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class KVTransferConfig:
+    """`kv_transfer_config={"kv_connector": NAME, "kv_role": ..., "kv_load_failure_policy": ...,
+    "kv_connector_extra_config": {...}}`, as in vLLM (see treadle/kv_transfer/)."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_load_failure_policy: str = "recompute"
+    kv_connector_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | str) -> "KVTransferConfig":
+        from treadle.kv_transfer.factory import connector_class
+
+        spec = _json_dict("kv_transfer_config", spec)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(spec) - known
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown keys {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
+        if "kv_connector" not in spec:
+            raise ValueError("kv_transfer_config.kv_connector is required")
+        config = cls(**spec)
+        connector = connector_class(config.kv_connector)   # an unknown name: ValueError
+        if config.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}; "
+                             f"got {config.kv_role!r}")
+        if config.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be one of "
+                             f"{', '.join(KV_LOAD_FAILURE_POLICIES)}; got "
+                             f"{config.kv_load_failure_policy!r}")
+        extra = config.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict")
+        missing = [k for k in connector.required_extra_keys if k not in extra]
+        if missing:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config needs "
+                             f"{', '.join(missing)} for {config.kv_connector}")
+        return config
+
+
 @dataclass
 class TreadleConfig:
     model: ModelConfig
@@ -110,6 +149,7 @@ class TreadleConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
 
 def _default_device() -> str:
@@ -133,6 +173,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = False
     speculative_config: dict[str, Any] | str | None = None
+    kv_transfer_config: dict[str, Any] | str | None = None
     seed: int = 0
     device: str | None = None
 
@@ -143,6 +184,9 @@ class EngineArgs:
     def create_config(self) -> TreadleConfig:
         from treadle.models.loader import load_hf_config, prepare_model
 
+        # Checked before the model is touched: a typo must not cost a model load.
+        kv_transfer = (KVTransferConfig.from_dict(self.kv_transfer_config)
+                       if self.kv_transfer_config is not None else None)
         device = self.device or _default_device()
         path = prepare_model(self.model)
         hf_config = load_hf_config(path)
@@ -187,7 +231,19 @@ class EngineArgs:
         spec_cfg = (SpeculativeConfig.from_dict(self.speculative_config)
                     if self.speculative_config is not None else None)
         return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
-                             speculative=spec_cfg)
+                             speculative=spec_cfg, kv_transfer=kv_transfer)
+
+
+def _json_dict(name: str, spec: dict[str, Any] | str) -> dict[str, Any]:
+    """A dict argument, or its JSON (from the command line)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{name} must be a dict, got {type(spec).__name__}")
+    return spec
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -238,5 +294,5 @@ def num_blocks_from_budget(config: TreadleConfig) -> int:
 
 
 __all__ = ["EngineArgs", "TreadleConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
-           "SpeculativeConfig",
+           "SpeculativeConfig", "KVTransferConfig",
            "num_blocks_from_budget"]

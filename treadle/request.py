@@ -96,6 +96,10 @@ class Request:
         self.num_cached_tokens = -1
         self.queue_time: float | None = None   # seconds from arrival to the first schedule
         self.num_preemptions = 0
+        # Set when a KV load for it failed: it recomputes locally and is not offered external
+        # KV again. kv_transfer_params: what the connector handed back when it finished.
+        self.kv_load_failed = False
+        self.kv_transfer_params: dict | None = None
 
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = []

@@ -31,6 +31,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request have been offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Requests with a KV load not yet settled: the block index from which nothing of
+        # theirs is published until it is (see allocate_slots).
+        self.held_from: dict[str, int] = {}
         self.prefix_queries = 0   # tokens looked up
         self.prefix_hits = 0      # tokens found
 
@@ -67,9 +70,13 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_external_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
+        The first `num_external_tokens` of them are loaded by a KV connector: from their first
+        block on, nothing of the request is published until the load is known to have
+        succeeded (`settle_loaded`), since everything it computes on top depends on it.
         Returns the newly allocated blocks, or None (with nothing changed) when the pool is short.
         """
         new_computed_blocks = new_computed_blocks or []
@@ -93,11 +100,10 @@ class KVCacheManager:
         if self.enable_caching:
             # Publish blocks whose tokens are all known; their KV is written this step,
             # before any attention reads it, so a later request in the same step may share them.
+            if num_external_tokens:
+                self.held_from[request.request_id] = num_computed // self.block_size
             num_full = min(total, request.num_tokens) // self.block_size
-            start = self.num_cached_blocks.get(request.request_id, 0)
-            for i in range(start, num_full):
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
-            self.num_cached_blocks[request.request_id] = max(start, num_full)
+            self._publish(request, min(num_full, self.held_from.get(request.request_id, num_full)))
         return new_blocks
 
     def num_published_blocks(self, request: Request) -> int:
@@ -116,10 +122,27 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = min(
                 num_blocks_before, self.num_cached_blocks[request.request_id])
 
+    def _publish(self, request: Request, num_blocks: int) -> None:
+        """Publish the request's first `num_blocks` blocks (those not published yet)."""
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_blocks):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, num_blocks)
+
+    def settle_loaded(self, request: Request, first_bad_block: int | None) -> None:
+        """A connector's load for the request has returned: publish what it held back, up to
+        the first block that failed to load (everything, when none did)."""
+        if self.held_from.pop(request.request_id, None) is None or not self.enable_caching:
+            return
+        computed = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        self._publish(request, computed if first_bad_block is None else first_bad_block)
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so shared prefixes stay cached the longest."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.held_from.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

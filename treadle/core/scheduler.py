@@ -15,18 +15,19 @@ were in flight.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import random
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv_load_recovery import settle_kv_loads
+from treadle.core.waiting_queue import WaitingQueue
 from treadle.core.stats import SchedulerStats, SpecDecodingStats
 from treadle.core.scheduler_output import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs)
+from treadle.kv_transfer.base import KVConnectorBase
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -46,49 +47,14 @@ class EngineCoreOutput:
     queue_time: float | None = None   # arrival to first schedule, seconds
 
 
-class WaitingQueue:
-    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = 0
-
-    def add(self, request: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            # A preempted request keeps its arrival time, so it lands back where it belongs.
-            self._counter += 1
-            heapq.heappush(self._heap, (request.priority, request.arrival_time, self._counter, request))
-        elif front:
-            self._fifo.appendleft(request)
-        else:
-            self._fifo.append(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-    def __iter__(self):
-        return iter([e[3] for e in sorted(self._heap)] if self.policy == "priority" else list(self._fifo))
-
-
 class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, max_model_len: int, seed: int = 0) -> None:
+                 num_blocks: int, max_model_len: int, seed: int = 0,
+                 connector: KVConnectorBase | None = None,
+                 kv_load_failure_policy: str = "recompute") -> None:
         self.config = sched_config
+        self.connector = connector   # its scheduler side, when KV crosses the engine's boundary
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
@@ -139,6 +105,10 @@ class Scheduler:
             self._free(request)
 
     def _free(self, request: Request) -> None:
+        if self.connector is not None:
+            delay, request.kv_transfer_params = self.connector.request_finished(
+                request, self.kv_cache.get_block_ids(request.request_id))
+            assert not delay, "connectors that keep blocks after a request ends are not supported yet"
         self.kv_cache.free(request)
         if request.num_in_flight_steps:
             # Its steps still in flight return before any step of a new request with its id.
@@ -172,6 +142,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         # Blocks each scheduled running request had published before this step's allocation.
         published_before: dict[str, int] = {}
+        kv_loads: dict[str, tuple[int, list[int], int]] = {}   # see SchedulerOutput.kv_loads
 
         # 1. Running requests first, in order; preempt from the back when blocks run out.
         i = 0
@@ -197,7 +168,7 @@ class Scheduler:
                     new_blocks_of.pop(victim.request_id, None)
                     spec_tokens.pop(victim.request_id, None)
                     self.kv_cache.unpublish(victim, published_before[victim.request_id])
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -216,19 +187,35 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
+            num_external = 0   # tokens after the hit whose KV a connector loads this step
+            if self.connector is not None and not request.kv_load_failed:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+                if num_external is None:
+                    break   # the connector cannot tell yet: keep the queue's order
+                assert not load_async, "asynchronous KV loads are not supported yet"
+            num_new = request.num_tokens - num_hit - num_external
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break  # no chunking: wait for room rather than let a later request skip ahead
             num_new = min(num_new, budget)
-            blocks = self.kv_cache.allocate_slots(request, num_new, hit_blocks, num_hit)
+            blocks = self.kv_cache.allocate_slots(request, num_external + num_new, hit_blocks,
+                                                  num_hit, num_external)
             if blocks is None:
                 break
             self.waiting.pop()
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            if self.connector is not None:
+                block_ids = self.kv_cache.get_block_ids(request.request_id)
+                self.connector.update_state_after_alloc(request, block_ids, num_external)
+                if num_external:
+                    first = num_hit // self.block_size
+                    kv_loads[request.request_id] = (
+                        first, block_ids[first:first + num_external // self.block_size],
+                        request.num_preemptions)
+                request.num_computed_tokens += num_external
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = request.num_computed_tokens
                 request.queue_time = time.monotonic() - request.arrival_time
             self.running.append(request)
             scheduled_new.append(request)
@@ -258,7 +245,8 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=finished, scheduled_spec_decode_tokens=spec_tokens)
+            finished_req_ids=finished, scheduled_spec_decode_tokens=spec_tokens,
+            kv_loads=kv_loads)
         # Computed counts advance at schedule time: the next schedule() already sees this step's
         # work. A chunk that reaches past every known and in-flight token samples, putting
         # 1 + drafts output tokens in flight.
@@ -275,6 +263,8 @@ class Scheduler:
             assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
+        if self.connector is not None and num_scheduled:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> tuple[int, list[int]]:
@@ -304,7 +294,9 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it back at the front of the queue; what it has in
+        flight becomes stale, and it resumes by recompute (from its prefix-cache hits)."""
         self.running.remove(request)
         self.kv_cache.free(request)
         self._finished_ids.add(request.request_id)   # the workers drop its slot
@@ -324,6 +316,13 @@ class Scheduler:
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Account for a returned step: steps return in the order they were scheduled."""
         outputs: list[EngineCoreOutput] = []
+        kv_out = runner_out.kv_connector_output
+        if self.connector is not None and kv_out is not None:
+            self.connector.update_connector_output(kv_out)
+        if sched_out.kv_loads:   # before the outputs: a failed load makes this step's stale
+            outputs += settle_kv_loads(self, sched_out,
+                                       kv_out.invalid_block_ids if kv_out is not None else set(),
+                                       self.kv_load_failure_policy)
         sampled_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         for rid in sched_out.num_scheduled_tokens:
             sampled = sampled_of.get(rid)
@@ -404,7 +403,7 @@ class Scheduler:
         if reset_running_requests:
             # From the back, each to the front of the queue: the waiting order stays FCFS.
             for request in reversed(list(self.running)):
-                self._preempt(request)
+                self.preempt(request)
         return self.kv_cache.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.sampling_params import SamplingParams
 
@@ -45,6 +46,12 @@ class SchedulerOutput:
     num_in_flight_tokens: dict[str, int] = field(default_factory=dict)
     # Draft tokens to verify, per request; they follow its last known token in the step.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's instructions for the workers this step (KVConnectorMetadata).
+    kv_connector_metadata: Any = None
+    # Scheduler-side record of this step's KV loads: request -> (index of its first loaded
+    # block, the loaded block ids, its num_preemptions then: which tenancy of its blocks).
+    # Settled when the step returns (core/kv_load_recovery.py).
+    kv_loads: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +78,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Per request: drafts proposed for its next step (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # What the KV connector's worker side reported (KVConnectorOutput), if there is one.
+    kv_connector_output: Any = None
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":

@@ -20,6 +20,7 @@ from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
 from treadle.executor.uniproc import UniProcExecutor
+from treadle.kv_transfer import KVConnectorRole, create_connector
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,12 @@ class EngineCore:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
                            model.max_model_len, capacity)
             model.max_model_len = capacity
-        self.scheduler = Scheduler(config.scheduler, cache, num_blocks, model.max_model_len,
-                                   seed=model.seed)
+        self.connector = create_connector(config, KVConnectorRole.SCHEDULER)
+        self.scheduler = Scheduler(
+            config.scheduler, cache, num_blocks, model.max_model_len, seed=model.seed,
+            connector=self.connector,
+            kv_load_failure_policy=config.kv_transfer.kv_load_failure_policy
+            if config.kv_transfer is not None else "recompute")
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency %.1fx at %d tokens",
                     num_blocks, cache.block_size,
                     num_blocks * cache.bytes_per_block(model) / 2**20,
@@ -203,6 +208,8 @@ class EngineCore:
         if weight_version is None:
             weight_version = self.weight_version + 1 if isinstance(self.weight_version, int) else None
         self.weight_version = weight_version
+        if self.connector is not None:   # stored KV of other weights must not match
+            self.connector.weight_version = weight_version
         logger.info("weights updated; weight_version=%r", weight_version)
 
     def sleep(self, level: int = 1) -> None:

@@ -13,6 +13,7 @@ from treadle.attention.torch_backend import GatherBuffer, build_metadata
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from treadle.kernels.cpu import cpu_kernels_available
+from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.request_state import RequestSlots
@@ -39,6 +40,7 @@ class ModelRunner:
         spec = config.speculative
         self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                        spec.num_speculative_tokens) if spec is not None else None)
+        self.connector = create_connector(config, KVConnectorRole.WORKER)
 
     # -- set-up ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -78,6 +80,8 @@ class ModelRunner:
                           for _ in range(cfg.num_layers)]
         self._block_zeroed = np.zeros(self.num_blocks, dtype=bool)
         self._zero_blocks([0])  # the null block pads every block table
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_caches)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         fresh = [b for b in block_ids if not self._block_zeroed[b]]
@@ -112,6 +116,21 @@ class ModelRunner:
         self._update_slots(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
+        if self.connector is None:
+            return self._execute(so)
+        # Loads land before the forward pass reads them; saves follow it.
+        connector = self.connector
+        finished_sending, finished_recving = connector.get_finished(so.finished_req_ids)
+        connector.bind_connector_metadata(so.kv_connector_metadata)
+        connector.start_load_kv()
+        out = self._execute(so)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        out.kv_connector_output = KVConnectorOutput(
+            finished_sending, finished_recving, connector.get_block_ids_with_load_errors())
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         slots = self.slots
 
         req_ids = list(so.num_scheduled_tokens)

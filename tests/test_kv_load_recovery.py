@@ -1,0 +1,157 @@
+"""Recovery from failed KV loads, driven step by step: a fake connector offers stored blocks,
+the KV oracle of the ledger test loads them (or fails to) and checks every read and every
+published block, and the ledger checks every delivered token, sync and async alike."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.test_scheduler import BS, make_request, make_scheduler
+from tests.test_token_ledger import AsyncRunner
+from treadle.core.scheduler import Scheduler
+from treadle.kv_transfer import KVConnectorBase
+from treadle.request import Request, RequestStatus
+
+
+class FakeStore(KVConnectorBase):
+    """The scheduler side of a connector whose store holds the blocks of `stored` prompts."""
+
+    def __init__(self) -> None:   # no engine config: only the scheduler side is used
+        self.stored: set[bytes] = set()
+        self.asked: list[str] = []
+
+    def store(self, request: Request) -> None:
+        self.stored.update(request.block_hashes)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        self.asked.append(request.request_id)
+        first, last = num_computed_tokens // BS, (request.num_tokens - 1) // BS
+        num = 0
+        for block_hash in request.block_hashes[first:last]:
+            if block_hash not in self.stored:
+                break
+            num += 1
+        return num * BS, False
+
+
+def connected(policy: str = "recompute", **kw) -> tuple[Scheduler, FakeStore]:
+    store = FakeStore()
+    sched = make_scheduler(**kw)
+    sched.connector, sched.kv_load_failure_policy = store, policy
+    return sched, store
+
+
+def add_stored(runner: AsyncRunner, store: FakeStore, rid: str, prompt_len: int,
+               first_token: int, max_tokens: int = 6) -> Request:
+    request = make_request(rid, prompt_len, first_token=first_token, max_tokens=max_tokens)
+    store.store(request)
+    runner.add(request)
+    return request
+
+
+@pytest.mark.parametrize("depth", [1, 2])   # 2: async, a later step is in flight on top
+def test_a_failed_load_cuts_back_only_its_request_to_the_first_bad_block(depth):
+    sched, store = connected(num_blocks=40)
+    runner = AsyncRunner(sched, load_fails=lambda rid, i: (rid, i) == ("a", 2))
+    a = add_stored(runner, store, "a", 21, first_token=100)   # blocks 0-4 stored
+    b = add_stored(runner, store, "b", 13, first_token=500)   # blocks 0-2 stored
+    so = runner.schedule()
+    assert so.kv_loads == {"a": (0, so.scheduled_new_reqs[0].block_ids[:5], 0),
+                           "b": (0, so.scheduled_new_reqs[1].block_ids[:3], 0)}
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}        # only the last token computes
+    if depth == 2:
+        runner.schedule()                                      # decodes on top of the failed step
+        assert a.num_output_placeholders == 2
+    runner.complete()
+    # a keeps blocks 0-1 (published), is reset, and is not offered external KV again.
+    assert a.status == RequestStatus.PREEMPTED and a.kv_load_failed
+    # The failed step's token was dropped; one from a step on top of it is still due.
+    assert a.num_stale_output_tokens == depth - 1 and runner.delivered["a"] == []
+    assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 13 + depth - 1
+    while runner.fifo:
+        runner.complete()
+    so = runner.schedule()
+    readmitted = next(new for new in so.scheduled_new_reqs if new.req_id == "a")
+    assert readmitted.num_computed_tokens == 2 * BS and "a" not in so.kv_loads
+    assert store.asked.count("a") == 1
+    runner.drain(depth)
+    runner.check_ledger()
+
+
+def test_fail_policy_ends_the_request_and_publishes_nothing_bad():
+    sched, store = connected("fail", num_blocks=40)
+    runner = AsyncRunner(sched, load_fails=lambda rid, i: (rid, i) == ("a", 1))
+    a = add_stored(runner, store, "a", 21, first_token=100)
+    add_stored(runner, store, "b", 13, first_token=500)
+    runner.schedule()
+    bad_block = runner.fifo[0].so.kv_loads["a"][1][1]
+    outs = runner.complete()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.request_id == "a"] == [("a", "error")]
+    assert "KV block 1" in outs[0].stop_reason
+    assert a.status == RequestStatus.FINISHED_ERROR
+    assert all(b.block_hash is None for b in sched.kv_cache.pool.blocks if b.block_id == bad_block)
+    # A request with the same prompt loads again (the store is fine) and finishes exactly.
+    runner.load_fails = None
+    add_stored(runner, store, "a2", 21, first_token=100)
+    runner.drain(1)
+    runner.check_ledger()
+
+
+def test_the_same_blocks_loaded_by_two_requests_in_one_step_are_not_shared_until_loaded():
+    """Loaded blocks are published only once their load is known to have succeeded: a second
+    request with the same prompt loads its own copy, so one's failure cannot reach the other."""
+    sched, store = connected(num_blocks=40)
+    runner = AsyncRunner(sched, load_fails=lambda rid, i: rid == "x" and i == 0)
+    add_stored(runner, store, "x", 13, first_token=100)
+    add_stored(runner, store, "y", 13, first_token=100)
+    so = runner.schedule()
+    x_blocks, y_blocks = so.kv_loads["x"][1], so.kv_loads["y"][1]
+    assert len(x_blocks) == len(y_blocks) == 3 and not set(x_blocks) & set(y_blocks)
+    runner.complete()
+    assert sched.requests["y"].status == RequestStatus.RUNNING
+    runner.drain(1)
+    runner.check_ledger()
+
+
+# -- random interleavings of loads, failures, steps, aborts and preemptions ------------------------
+@settings(deadline=None)
+@given(num_blocks=st.integers(10, 24), depth=st.sampled_from([1, 2]),
+       budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["recompute", "fail"]),
+       seed=st.integers(0, 2**32 - 1), num_events=st.integers(10, 120))
+def test_kv_loads_under_random_interleavings(num_blocks: int, depth: int, budget: int,
+                                             policy: str, seed: int, num_events: int):
+    rng = random.Random(seed)
+    sched, store = connected(policy, num_blocks=num_blocks, budget=budget)
+    fail_rate = rng.choice([0.0, 0.2, 0.5])
+    runner = AsyncRunner(sched, load_fails=lambda rid, i: rng.random() < fail_rate)
+
+    def add() -> None:
+        max_tokens = rng.randint(1, 8)
+        prompt_len = min(rng.randint(1, 30), (num_blocks - 1) * BS - max_tokens)
+        request = make_request(f"r{len(runner.requests)}", prompt_len,
+                               first_token=rng.choice((100, 300, 500)), max_tokens=max_tokens)
+        if rng.random() < 0.7:
+            store.store(request)
+        runner.add(request)
+
+    for _ in range(rng.randint(1, 6)):
+        add()
+    for _ in range(num_events):
+        kind = rng.randrange(100)
+        if kind < 20:
+            add()
+        elif kind < 25:
+            assert runner.reset() is True
+        elif kind < 30:
+            if sched.requests:
+                runner.abort(rng.choice(sorted(sched.requests)))
+        elif kind < 62:
+            if len(runner.fifo) < depth:
+                runner.schedule()
+        elif runner.fifo:
+            runner.complete()
+    runner.drain(depth)
+    runner.check_ledger()

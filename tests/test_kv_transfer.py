@@ -1,0 +1,205 @@
+"""KV connectors: configuration, the shared-storage connector between engines, and exact
+recovery from failed loads, checked against transformers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_correctness import TEXTS
+from treadle import LLM, SamplingParams
+from treadle.config import EngineArgs
+from treadle.models.loader import load_tokenizer
+
+MAX_TOKENS = 12
+
+
+def kv_config(path: Path, role: str, policy: str = "recompute", **extra) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"shared_storage_path": str(path), **extra}}
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def connector_of(llm: LLM):
+    """The worker side of the engine's connector (its counters tell what moved)."""
+    return llm.engine.core.executor.worker.runner.connector
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoints) -> str:
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="module")
+def prompts(llama) -> list[list[int]]:
+    tok = load_tokenizer(llama)
+    long = tok.encode(" ".join(TEXTS))          # ~90 tokens: five blocks of 16
+    return [long, long[:40], tok.encode(TEXTS[2]), tok.encode(TEXTS[0])[:9]]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, llama, prompts) -> Path:
+    """A folder a producer filled with the prompts' KV (it ran each prompt for one token)."""
+    path = tmp_path_factory.mktemp("kv-store")
+    producer = LLM(llama, kv_transfer_config=kv_config(path, "kv_producer"))
+    producer.generate([{"prompt_token_ids": p} for p in prompts], greedy(1), use_tqdm=False)
+    assert connector_of(producer).num_saved_blocks > 0
+    producer.engine.core.scheduler.kv_cache.assert_no_leaks()
+    return path
+
+
+def copy_store(store: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "kv"
+    target.mkdir()
+    for f in store.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+def run(llm: LLM, prompts: list[list[int]]):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+    return outs
+
+
+# -- configuration --------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, field", [
+    ({"kv_connector": "NoSuchConnector"}, "kv_connector must be one of SharedStorageConnector"),
+    ({"kv_role": "kv_sender"}, "kv_role must be one of kv_producer, kv_consumer, kv_both"),
+    ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be one of recompute, fail"),
+    ({"kv_connector_extra_config": {}}, "needs shared_storage_path"),
+    ({"kv_buffer_size": 1}, "unknown keys"),
+])
+def test_bad_kv_transfer_config_names_the_field_before_any_model_loads(tmp_path, bad, field):
+    config = {**kv_config(tmp_path, "kv_both"), **bad}
+    # The model does not exist: the config must be refused before anything looks for it.
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(model=str(tmp_path / "no-model"), kv_transfer_config=config).create_config()
+
+
+def test_kv_transfer_config_as_json_and_without_a_connector(tmp_path):
+    with pytest.raises(ValueError, match="kv_transfer_config is not valid JSON"):
+        EngineArgs(model="x", kv_transfer_config="{nope").create_config()
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_connector is required"):
+        EngineArgs(model="x", kv_transfer_config={"kv_role": "kv_both"}).create_config()
+
+
+# -- a producer and a consumer ----------------------------------------------------------------
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_consumer_loads_the_producers_kv_and_matches_transformers(llama, reference, prompts,
+                                                                   store, async_scheduling):
+    consumer = LLM(llama, async_scheduling=async_scheduling,
+                   kv_transfer_config=kv_config(store, "kv_consumer"))
+    outs = run(consumer, prompts)
+    ref = reference(llama)
+    assert [o.outputs[0].token_ids for o in outs] == [ref.greedy(p, MAX_TOKENS) for p in prompts]
+    # Every whole block before the last prompt token came from the store (the 9-token prompt
+    # has none), and nothing failed.
+    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert connector_of(consumer).num_loaded_blocks > 0
+    assert connector_of(consumer).num_failed_loads == 0
+    assert not list(store.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_thirty_percent_of_loads_failing_under_recompute_is_exact(llama, reference, prompts,
+                                                                  store, async_scheduling):
+    consumer = LLM(llama, async_scheduling=async_scheduling, kv_transfer_config=kv_config(
+        store, "kv_consumer", inject_load_failure_rate=0.3, inject_seed=3))
+    outs = run(consumer, prompts * 2)
+    ref = reference(llama)
+    assert [o.outputs[0].token_ids for o in outs] == [ref.greedy(p, MAX_TOKENS) for p in prompts * 2]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert connector_of(consumer).num_failed_loads > 0
+    assert connector_of(consumer).num_loaded_blocks > 0
+
+
+def test_fail_policy_ends_the_failed_requests_with_an_error(llama, reference, prompts, store):
+    # The second block of every load fails: prompts with two or more stored blocks end.
+    consumer = LLM(llama, kv_transfer_config=kv_config(
+        store, "kv_consumer", policy="fail", inject_failed_block_indices=[1]))
+    outs = run(consumer, prompts)
+    ref = reference(llama)
+    for p, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        if (len(p) - 1) // 16 >= 2:
+            assert completion.finish_reason == "error" and completion.token_ids == []
+            assert "KV block 1" in completion.stop_reason and "failed to load" in completion.stop_reason
+        else:
+            assert completion.token_ids == ref.greedy(p, MAX_TOKENS)
+    assert sum(o.outputs[0].finish_reason == "error" for o in outs) == 2
+
+
+def test_a_corrupted_block_is_a_load_error_and_is_recomputed(llama, reference, prompts, store,
+                                                             tmp_path):
+    damaged = copy_store(store, tmp_path)
+    for f in damaged.glob("*.kv"):
+        data = bytearray(f.read_bytes())
+        data[-7] ^= 0xFF            # inside the tensor data: the checksum must catch it
+        f.write_bytes(bytes(data))
+    consumer = LLM(llama, kv_transfer_config=kv_config(damaged, "kv_consumer"))
+    outs = run(consumer, prompts)
+    ref = reference(llama)
+    assert [o.outputs[0].token_ids for o in outs] == [ref.greedy(p, MAX_TOKENS) for p in prompts]
+    assert connector_of(consumer).num_loaded_blocks == 0
+    assert connector_of(consumer).num_failed_loads > 0
+
+
+def test_kv_of_other_weights_is_never_loaded(llama, reference, prompts, store, tmp_path):
+    """After a weight update the stored blocks (of the old weights) no longer match."""
+    consumer = LLM(llama, kv_transfer_config=kv_config(copy_store(store, tmp_path), "kv_both"))
+    weights = consumer.collective_rpc(lambda worker: [
+        (n, p.detach().clone()) for n, p in worker.runner.model.named_parameters()
+        if n == "model.norm.weight"])[0]
+    consumer.update_weights([(weights[0][0], weights[0][1] * 1.0)], weight_version="same-values")
+    outs = run(consumer, prompts[:1])
+    assert outs[0].num_cached_tokens == 0
+    assert outs[0].outputs[0].token_ids == reference(llama).greedy(prompts[0], MAX_TOKENS)
+
+
+WRITER = """
+import os, sys, signal
+from pathlib import Path
+from treadle.config import EngineArgs
+from treadle.kv_transfer import KVConnectorRole, create_connector
+from treadle.kv_transfer.shared_storage import BlockTransfer
+import torch
+
+config = EngineArgs(model=sys.argv[1], kv_transfer_config={
+    "kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
+    "kv_connector_extra_config": {"shared_storage_path": sys.argv[2]}}).create_config()
+worker = create_connector(config, KVConnectorRole.WORKER)
+worker.register_kv_caches([torch.ones(2, 4, 16, 2, 16) for _ in range(3)])
+real_fdopen = os.fdopen
+
+def dying_fdopen(fd, mode):
+    f = real_fdopen(fd, mode)
+    real_write = f.write
+    def write(data):
+        real_write(data[:len(data) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)   # the writer dies mid-write
+    f.write = write
+    return f
+
+os.fdopen = dying_fdopen
+worker._write_block(BlockTransfer("r", 1, sys.argv[3], 0))
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_no_block_a_reader_loads(llama, tmp_path):
+    key = "0" * 64
+    proc = subprocess.run([sys.executable, "-c", WRITER, llama, str(tmp_path), key],
+                          capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert not (tmp_path / f"{key}.kv").exists()
+    leftovers = list(tmp_path.glob(".tmp-*"))
+    assert leftovers and all(os.path.getsize(f) > 0 for f in leftovers)

@@ -45,6 +45,10 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 3}\'')
+    group.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                       help='a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
+                            '"kv_role": "kv_both", "kv_connector_extra_config": '
+                            '{"shared_storage_path": "/tmp/kv"}}\'')
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
@@ -176,6 +180,12 @@ def cmd_cache(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_disagg_proxy(ns: argparse.Namespace) -> int:
+    from treadle.entrypoints import disagg_proxy   # the web stack, only when it runs
+
+    return disagg_proxy.main(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="treadle",
@@ -206,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve_args.add_cli_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=serve_args.main)
+
+    proxy = sub.add_parser(
+        "disagg-proxy", help="prefill/decode disaggregation proxy",
+        description="An OpenAI-compatible proxy in front of a prefill server (kv_producer) and a "
+                    "decode server (kv_consumer): each request is prefilled on one with "
+                    "max_tokens=1, then generated on the other, which loads the prompt's KV.")
+    proxy.add_argument("--prefill", required=True, metavar="URL",
+                       help="the prefill server, e.g. http://127.0.0.1:8100")
+    proxy.add_argument("--decode", required=True, metavar="URL",
+                       help="the decode server, e.g. http://127.0.0.1:8200")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to bind [default: 127.0.0.1]")
+    proxy.add_argument("--port", type=int, default=8000, help="port to bind [default: 8000]")
+    proxy.set_defaults(func=cmd_disagg_proxy)
 
     cache = sub.add_parser(
         "cache", help="list or remove cached GGUF conversions and CPU kernel builds",

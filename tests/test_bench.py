@@ -36,3 +36,14 @@ def test_bench_spec_reports_every_workload(tiny_checkpoints, tmp_path):
     for r in results.values():
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
         assert 0 <= r["acceptance_rate"] <= 1
+
+
+def test_bench_kv_loads_the_prefix_and_agrees(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "kv.json"
+    assert main(["bench", "kv", "--model", tiny_checkpoints["llama"], "--prefix-len", "64",
+                 "--suffix-len", "4", "--num-requests", "2", "--store", str(tmp_path / "store"),
+                 "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["first_tokens_agree"] == "2/2"
+    assert set(report["median_ttft_s"]) == {"from the store", "recomputed"}
+    assert "TTFT speed-up from the store" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.test_scheduler import BS, make_request, make_scheduler
-from tests.test_token_ledger import AsyncRunner
+from tests.test_token_ledger import AsyncRunner, run_random_events
 from treadle.core.scheduler import Scheduler
 from treadle.kv_transfer import KVConnectorBase
 from treadle.request import Request, RequestStatus
@@ -139,19 +139,4 @@ def test_kv_loads_under_random_interleavings(num_blocks: int, depth: int, budget
 
     for _ in range(rng.randint(1, 6)):
         add()
-    for _ in range(num_events):
-        kind = rng.randrange(100)
-        if kind < 20:
-            add()
-        elif kind < 25:
-            assert runner.reset() is True
-        elif kind < 30:
-            if sched.requests:
-                runner.abort(rng.choice(sorted(sched.requests)))
-        elif kind < 62:
-            if len(runner.fifo) < depth:
-                runner.schedule()
-        elif runner.fifo:
-            runner.complete()
-    runner.drain(depth)
-    runner.check_ledger()
+    run_random_events(runner, rng, num_events, depth, add, add_weight=20)

@@ -511,13 +511,22 @@ def test_ledger_under_random_interleavings(num_blocks: int, depth: int, budget: 
 
     for _ in range(rng.randint(1, 8)):
         add()
+    run_random_events(runner, rng, num_events, depth, add, add_weight=25)
+
+
+def run_random_events(runner: AsyncRunner, rng: random.Random, num_events: int, depth: int,
+                      add: Callable[[], None], add_weight: int) -> None:
+    """Random engine events (add, reset, abort, schedule, complete), then a drain and the
+    ledger check. `add_weight` of every 100 events add a request; 5 reset, 5 abort; of the
+    rest, schedule (while fewer than `depth` steps are out) and complete split evenly-ish."""
+    sched = runner.sched
     for _ in range(num_events):
         kind = rng.randrange(100)
-        if kind < 25:
+        if kind < add_weight:
             add()
-        elif kind < 30:
+        elif kind < add_weight + 5:
             assert runner.reset() is True
-        elif kind < 35:
+        elif kind < add_weight + 10:
             if sched.requests:
                 runner.abort(rng.choice(sorted(sched.requests)))
         elif kind < 62:

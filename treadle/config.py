@@ -80,12 +80,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str) -> "SpeculativeConfig":
-        spec = _json_dict("speculative_config", spec)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(spec) - known
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; "
-                             f"known: {sorted(known)}")
+        spec = _json_fields("speculative_config", spec, cls)
         config = cls(**spec)
         if config.method != "ngram":
             raise ValueError(f"speculative_config method must be 'ngram', got {config.method!r}")
@@ -115,12 +110,7 @@ class KVTransferConfig:
     def from_dict(cls, spec: dict[str, Any] | str) -> "KVTransferConfig":
         from treadle.kv_transfer.factory import connector_class
 
-        spec = _json_dict("kv_transfer_config", spec)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(spec) - known
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {sorted(unknown)}; "
-                             f"known: {sorted(known)}")
+        spec = _json_fields("kv_transfer_config", spec, cls)
         if "kv_connector" not in spec:
             raise ValueError("kv_transfer_config.kv_connector is required")
         config = cls(**spec)
@@ -234,8 +224,9 @@ class EngineArgs:
                              speculative=spec_cfg, kv_transfer=kv_transfer)
 
 
-def _json_dict(name: str, spec: dict[str, Any] | str) -> dict[str, Any]:
-    """A dict argument, or its JSON (from the command line)."""
+def _json_fields(name: str, spec: dict[str, Any] | str, cls: type) -> dict[str, Any]:
+    """A dict argument for dataclass `cls`, or its JSON (from the command line), with no key
+    the dataclass does not have."""
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
@@ -243,6 +234,10 @@ def _json_dict(name: str, spec: dict[str, Any] | str) -> dict[str, Any]:
             raise ValueError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(spec, dict):
         raise ValueError(f"{name} must be a dict, got {type(spec).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(spec) - known
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
     return spec
 
 

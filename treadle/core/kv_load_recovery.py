@@ -55,8 +55,8 @@ def settle_kv_loads(scheduler: Scheduler, sched_out: SchedulerOutput, invalid_bl
         if policy == "recompute":
             logger.warning("%s; recomputing from token %d", message,
                            first_bad * scheduler.block_size)
-            if request.status == RequestStatus.RUNNING:
-                scheduler.preempt(request)
+            assert request.status == RequestStatus.RUNNING, f"{rid} is {request.status.name}"
+            scheduler.preempt(request)
             request.kv_load_failed = True
             if not request.output_token_ids:
                 request.num_cached_tokens = -1   # measured again when it is scheduled

@@ -19,9 +19,10 @@ from treadle.request import Request, RequestStatus
 class FakeStore(KVConnectorBase):
     """The scheduler side of a connector whose store holds the blocks of `stored` prompts."""
 
-    def __init__(self) -> None:   # no engine config: only the scheduler side is used
+    def __init__(self, load_async: bool = False) -> None:   # no engine config: scheduler side only
         self.stored: set[bytes] = set()
         self.asked: list[str] = []
+        self.load_async = load_async
 
     def store(self, request: Request) -> None:
         self.stored.update(request.block_hashes)
@@ -34,11 +35,12 @@ class FakeStore(KVConnectorBase):
             if block_hash not in self.stored:
                 break
             num += 1
-        return num * BS, False
+        return num * BS, self.load_async and num > 0
 
 
-def connected(policy: str = "recompute", **kw) -> tuple[Scheduler, FakeStore]:
-    store = FakeStore()
+def connected(policy: str = "recompute", load_async: bool = False, **kw
+              ) -> tuple[Scheduler, FakeStore]:
+    store = FakeStore(load_async)
     sched = make_scheduler(**kw)
     sched.connector, sched.kv_load_failure_policy = store, policy
     return sched, store
@@ -116,17 +118,95 @@ def test_the_same_blocks_loaded_by_two_requests_in_one_step_are_not_shared_until
     runner.check_ledger()
 
 
+# -- asynchronous loads ---------------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_async_load_waits_then_starts_from_what_it_loaded(depth):
+    sched, store = connected(load_async=True, num_blocks=40)
+    runner = AsyncRunner(sched, load_steps=2)
+    a = add_stored(runner, store, "a", 21, first_token=100)
+    runner.add(make_request("b", 6, first_token=500))          # nothing stored: it runs
+    so = runner.schedule()
+    assert so.num_scheduled_tokens == {"b": 6} and list(so.async_kv_loads) == ["a"]
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS and a.num_computed_tokens == 0
+    while a.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        runner.pump(depth)
+    assert a.status == RequestStatus.WAITING and a.num_computed_tokens == 5 * BS
+    assert sched.loaded == [a]
+    so = runner.schedule()
+    new = next(n for n in so.scheduled_new_reqs if n.req_id == "a")
+    assert (new.num_computed_tokens, so.num_scheduled_tokens["a"]) == (20, 1)
+    runner.drain(depth)
+    runner.check_ledger()
+    assert a.num_cached_tokens == 20
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_failed_async_load_leaves_the_request_waiting_cut_back_to_the_bad_block(depth):
+    sched, store = connected(load_async=True, num_blocks=40)
+    runner = AsyncRunner(sched, load_fails=lambda rid, i: i == 2)
+    a = add_stored(runner, store, "a", 21, first_token=100)
+    runner.schedule()
+    while a.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        runner.pump(depth)
+    assert a.status == RequestStatus.WAITING and a.num_computed_tokens == 2 * BS
+    assert a.kv_load_failed and store.asked == ["a"]
+    runner.drain(depth)
+    runner.check_ledger()
+    assert store.asked == ["a"]   # not offered external KV again
+
+
+def test_a_failed_async_load_under_fail_ends_the_request():
+    sched, store = connected("fail", load_async=True, num_blocks=40)
+    runner = AsyncRunner(sched, load_fails=lambda rid, i: i == 1)
+    add_stored(runner, store, "a", 21, first_token=100)
+    runner.drain(1)
+    assert runner.finish_reason == {"a": "error"}
+    runner.check_ledger()
+
+
+def test_two_async_loads_that_cannot_both_fit_do_not_deadlock():
+    sched, store = connected(load_async=True, num_blocks=9)   # 8 usable blocks of 4
+    runner = AsyncRunner(sched)
+    a = add_stored(runner, store, "a", 21, first_token=100, max_tokens=3)   # loads 5 blocks
+    b = add_stored(runner, store, "b", 21, first_token=500, max_tokens=3)
+    runner.schedule()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert b.status == RequestStatus.WAITING and not sched.kv_cache.holds_blocks("b")
+    runner.drain(1)
+    runner.check_ledger()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_abort_during_an_async_load_frees_the_blocks_once_the_load_is_done(depth):
+    sched, store = connected(load_async=True, num_blocks=40)
+    runner = AsyncRunner(sched, load_steps=3)
+    add_stored(runner, store, "a", 21, first_token=100)
+    runner.schedule()
+    runner.abort("a")
+    # The load still writes into its blocks: they stay held, and the id is not free yet.
+    assert sched.kv_cache.holds_blocks("a") and "a" in sched.free_after_load
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("a", 5))
+    assert sched.has_unfinished_requests()
+    runner.drain(depth)
+    assert not sched.kv_cache.holds_blocks("a")
+    runner.check_ledger()
+
+
 # -- random interleavings of loads, failures, steps, aborts and preemptions ------------------------
 @settings(deadline=None)
 @given(num_blocks=st.integers(10, 24), depth=st.sampled_from([1, 2]),
        budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["recompute", "fail"]),
-       seed=st.integers(0, 2**32 - 1), num_events=st.integers(10, 120))
+       load_async=st.booleans(), seed=st.integers(0, 2**32 - 1),
+       num_events=st.integers(10, 120))
 def test_kv_loads_under_random_interleavings(num_blocks: int, depth: int, budget: int,
-                                             policy: str, seed: int, num_events: int):
+                                             policy: str, load_async: bool, seed: int,
+                                             num_events: int):
     rng = random.Random(seed)
-    sched, store = connected(policy, num_blocks=num_blocks, budget=budget)
+    sched, store = connected(policy, load_async, num_blocks=num_blocks, budget=budget)
     fail_rate = rng.choice([0.0, 0.2, 0.5])
-    runner = AsyncRunner(sched, load_fails=lambda rid, i: rng.random() < fail_rate)
+    runner = AsyncRunner(sched, load_fails=lambda rid, i: rng.random() < fail_rate,
+                         load_steps=rng.randint(1, 4))
 
     def add() -> None:
         max_tokens = rng.randint(1, 8)

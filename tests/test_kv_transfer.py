@@ -3,6 +3,7 @@ recovery from failed loads, checked against transformers."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_correctness import TEXTS
-from treadle import LLM, SamplingParams
+from treadle import LLM, AsyncLLM, SamplingParams
 from treadle.config import EngineArgs
 from treadle.models.loader import load_tokenizer
 
@@ -93,11 +94,13 @@ def test_kv_transfer_config_as_json_and_without_a_connector(tmp_path):
 
 
 # -- a producer and a consumer ----------------------------------------------------------------
+@pytest.mark.parametrize("load_async", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_consumer_loads_the_producers_kv_and_matches_transformers(llama, reference, prompts,
-                                                                   store, async_scheduling):
-    consumer = LLM(llama, async_scheduling=async_scheduling,
-                   kv_transfer_config=kv_config(store, "kv_consumer"))
+                                                                   store, async_scheduling,
+                                                                   load_async):
+    consumer = LLM(llama, async_scheduling=async_scheduling, kv_transfer_config=kv_config(
+        store, "kv_consumer", load_async=load_async, inject_load_delay_s=0.02 * load_async))
     outs = run(consumer, prompts)
     ref = reference(llama)
     assert [o.outputs[0].token_ids for o in outs] == [ref.greedy(p, MAX_TOKENS) for p in prompts]
@@ -109,11 +112,13 @@ def test_consumer_loads_the_producers_kv_and_matches_transformers(llama, referen
     assert not list(store.glob(".tmp-*"))
 
 
+@pytest.mark.parametrize("load_async", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_thirty_percent_of_loads_failing_under_recompute_is_exact(llama, reference, prompts,
-                                                                  store, async_scheduling):
+                                                                  store, async_scheduling,
+                                                                  load_async):
     consumer = LLM(llama, async_scheduling=async_scheduling, kv_transfer_config=kv_config(
-        store, "kv_consumer", inject_load_failure_rate=0.3, inject_seed=3))
+        store, "kv_consumer", inject_load_failure_rate=0.3, inject_seed=3, load_async=load_async))
     outs = run(consumer, prompts * 2)
     ref = reference(llama)
     assert [o.outputs[0].token_ids for o in outs] == [ref.greedy(p, MAX_TOKENS) for p in prompts * 2]
@@ -122,10 +127,13 @@ def test_thirty_percent_of_loads_failing_under_recompute_is_exact(llama, referen
     assert connector_of(consumer).num_loaded_blocks > 0
 
 
-def test_fail_policy_ends_the_failed_requests_with_an_error(llama, reference, prompts, store):
+@pytest.mark.parametrize("load_async", [False, True])
+def test_fail_policy_ends_the_failed_requests_with_an_error(llama, reference, prompts, store,
+                                                            load_async):
     # The second block of every load fails: prompts with two or more stored blocks end.
     consumer = LLM(llama, kv_transfer_config=kv_config(
-        store, "kv_consumer", policy="fail", inject_failed_block_indices=[1]))
+        store, "kv_consumer", policy="fail", inject_failed_block_indices=[1],
+        load_async=load_async))
     outs = run(consumer, prompts)
     ref = reference(llama)
     for p, out in zip(prompts, outs):
@@ -163,6 +171,37 @@ def test_kv_of_other_weights_is_never_loaded(llama, reference, prompts, store, t
     outs = run(consumer, prompts[:1])
     assert outs[0].num_cached_tokens == 0
     assert outs[0].outputs[0].token_ids == reference(llama).greedy(prompts[0], MAX_TOKENS)
+
+
+def test_aborting_during_an_async_load_frees_everything(llama, reference, prompts, store):
+    """A stream closed while its KV loads: the blocks stay held until the load is done, then
+    everything is free, and the engine serves the next request exactly."""
+    engine = AsyncLLM(llama, kv_transfer_config=kv_config(
+        store, "kv_consumer", load_async=True, inject_load_delay_s=0.5))
+
+    async def body() -> list[int]:
+        stream = engine.generate({"prompt_token_ids": prompts[0]}, greedy(), request_id="gone")
+        task = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0.2)            # the request now waits for its load
+        assert engine.core.scheduler.loading, "the load should still be going"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+        out = None
+        async for out in engine.generate({"prompt_token_ids": prompts[1]}, greedy(),
+                                         request_id="next"):
+            pass
+        await asyncio.wrap_future(engine._core.when_idle())
+        return out.outputs[0].token_ids
+
+    try:
+        tokens = asyncio.run(asyncio.wait_for(body(), timeout=60))
+        assert tokens == reference(llama).greedy(prompts[1], MAX_TOKENS)
+        scheduler = engine.core.scheduler
+        assert not scheduler.free_after_load and not scheduler.loading
+        scheduler.kv_cache.assert_no_leaks()
+    finally:
+        engine.shutdown()
 
 
 WRITER = """

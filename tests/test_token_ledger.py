@@ -128,6 +128,23 @@ class KVOracle:
                     "which does not hold its KV")
         return invalid
 
+    def load(self, rid: str, first: int, block_ids: list[int],
+             input_tokens: Callable[[str, int, list[int]], list[int]],
+             load_fails: Callable[[str, int], bool] | None) -> set[int]:
+        """An asynchronous load lands; returns the blocks that failed (left as they were)."""
+        key, keys = 0, []
+        for tok in input_tokens(rid, (first + len(block_ids)) * self.block_size, []):
+            key = hash((key, tok))
+            keys.append(key)
+        invalid = set()
+        for i, block in enumerate(block_ids, start=first):
+            if load_fails is not None and load_fails(rid, i):
+                invalid.add(block)
+                continue
+            for offset in range(self.block_size):
+                self.slots[(block, offset)] = keys[i * self.block_size + offset]
+        return invalid
+
     def check_published(self, hash_to_block: dict, tokens_of: dict[bytes, list[int]],
                         exempt: set[int] = frozenset()) -> None:
         """Every block in the prefix cache holds the KV of the tokens its hash stands for,
@@ -159,10 +176,14 @@ class AsyncRunner:
     """Drives the scheduler like the async engine: steps are scheduled ahead, returned in order."""
 
     def __init__(self, sched: Scheduler, propose: Proposer | None = None,
-                 load_fails: Callable[[str, int], bool] | None = None) -> None:
+                 load_fails: Callable[[str, int], bool] | None = None,
+                 load_steps: int = 2) -> None:
         self.sched = sched
         self.propose = propose
         self.load_fails = load_fails   # (rid, block index) -> whether that KV load fails
+        # Asynchronous KV loads finish `load_steps` returned steps after they start.
+        self.load_steps = load_steps
+        self.loading: dict[str, list] = {}   # rid -> [(first block, block ids, tenancy), steps left]
         self.fifo: deque[InFlightStep] = deque()
         self.requests: dict[str, Request] = {}     # every request ever added, finished or not
         self.delivered: dict[str, list[int]] = defaultdict(list)
@@ -177,8 +198,9 @@ class AsyncRunner:
         self.sched.add_request(request)
         self.requests[request.request_id] = request
 
-    def schedule(self) -> SchedulerOutput:
-        so = self.sched.schedule()
+    def schedule(self, poll: bool = False) -> SchedulerOutput:
+        """A step; with `poll`, the step with no tokens the engine uses to wait for loads."""
+        so = self.sched.poll_kv_loads() if poll else self.sched.schedule()
         for rid in so.scheduled_spec_decode_tokens:
             # Drafts follow the last known token, so nothing may be in flight ahead of them.
             assert self.in_fifo(rid) == 0, f"{rid}: drafts scheduled with output in flight"
@@ -191,6 +213,8 @@ class AsyncRunner:
             self.scheduled_tokens[rid] += n
         invalid = self.kv.run_step(so, self.input_tokens, self.load_fails)
         self.fifo.append(InFlightStep(so, first_pos, invalid))
+        for rid, load in so.async_kv_loads.items():
+            self.loading[rid] = [load, self.load_steps]
         self.check_published()
         self.check_in_flight()
         return so
@@ -204,6 +228,20 @@ class AsyncRunner:
                    if step.invalid_block_ids & set(ids)}
         exempt = {b for rid in failing for b in self.sched.kv_cache.get_block_ids(rid)}
         self.kv.check_published(self.sched.kv_cache.pool.hash_to_block, self.tokens_of_hash, exempt)
+
+    def finish_async_loads(self) -> tuple[set[str], set[int]]:
+        """Asynchronous loads due with this returned step: they write their blocks (but the
+        failing ones); returns the requests done and the blocks that failed."""
+        done, invalid = set(), set()
+        for rid, entry in list(self.loading.items()):
+            entry[1] -= 1
+            if entry[1] > 0:
+                continue
+            (first, block_ids, _), _ = entry
+            del self.loading[rid]
+            done.add(rid)
+            invalid |= self.kv.load(rid, first, block_ids, self.input_tokens, self.load_fails)
+        return done, invalid
 
     def input_tokens(self, rid: str, end: int, drafts: list[int]) -> list[int]:
         """A step's input: the prompt, the outputs (known or in flight), then its drafts."""
@@ -232,11 +270,13 @@ class AsyncRunner:
             sampled.append(tokens)
             if self.propose is not None and (drafts := self.propose(rid, p + len(tokens))):
                 proposals[rid] = drafts
+        recved, invalid = self.finish_async_loads()
         outs = self.sched.update_from_output(
             so, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                   draft_token_ids=proposals,
                                   kv_connector_output=KVConnectorOutput(
-                                      invalid_block_ids=step.invalid_block_ids)))
+                                      finished_recving=recved,
+                                      invalid_block_ids=step.invalid_block_ids | invalid)))
         for out in outs:
             assert out.request_id not in self.finish_reason, f"{out.request_id}: output after finishing"
             self.delivered[out.request_id].extend(out.new_token_ids)
@@ -247,6 +287,12 @@ class AsyncRunner:
         return outs
 
     def reset(self) -> bool:
+        if self.sched.num_loading():   # as EngineCore does: steps in flight, then the loads
+            while self.fifo:
+                self.complete()
+            while self.sched.num_loading():
+                self.schedule(poll=True)
+                self.complete()
         ok = self.sched.reset_prefix_cache(reset_running_requests=True)
         self.check_in_flight()
         return ok
@@ -264,7 +310,7 @@ class AsyncRunner:
         else:
             self.complete()
 
-    def drain(self, depth: int, max_events: int = 1000) -> None:
+    def drain(self, depth: int, max_events: int = 2000) -> None:
         for _ in range(max_events):
             if not self.sched.has_unfinished_requests() and not self.fifo:
                 return

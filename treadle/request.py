@@ -14,6 +14,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_REMOTE_KVS = 3   # holds its blocks while a connector loads its KV
     # Everything from here on is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11

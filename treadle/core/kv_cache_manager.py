@@ -145,6 +145,9 @@ class KVCacheManager:
         self.held_from.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def holds_blocks(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

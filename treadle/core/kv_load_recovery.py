@@ -17,6 +17,13 @@ every load:
 
 The loads of a step are recorded in that step's own SchedulerOutput (`kv_loads`), so under
 async scheduling a later step already in flight changes nothing about which blocks failed.
+
+An asynchronous load follows the same rule. Its request waits (WAITING_FOR_REMOTE_KVS) with
+the blocks of its whole prompt and computes nothing until the workers report the load done;
+then it is ready to start (`Scheduler.loaded`, ahead of the waiting queue, so requests holding
+blocks never wait behind requests that need them), counting the tokens it really has, up to
+its first bad block (or it ends, with "fail"). A request that ends while its load still writes
+into its blocks keeps them until the load is done.
 """
 
 from __future__ import annotations
@@ -28,41 +35,79 @@ from treadle.request import RequestStatus
 
 if TYPE_CHECKING:
     from treadle.core.scheduler import EngineCoreOutput, Scheduler
-    from treadle.core.scheduler_output import SchedulerOutput
+    from treadle.request import Request
 
 logger = logging.getLogger(__name__)
 
 
-def settle_kv_loads(scheduler: Scheduler, sched_out: SchedulerOutput, invalid_block_ids: set[int],
-                    policy: str) -> list[EngineCoreOutput]:
-    """Publishes the step's good loads and applies `policy` to requests with a failed one;
-    returns the final outputs of requests it ended."""
-    from treadle.core.scheduler import EngineCoreOutput
-
-    kv_cache = scheduler.kv_cache
+def settle_kv_loads(scheduler: Scheduler, loads: dict[str, tuple[int, list[int], int]],
+                    invalid_block_ids: set[int]) -> list[EngineCoreOutput]:
+    """Settles a returned step's synchronous loads; returns the final outputs of requests it
+    ended."""
     ended: list[EngineCoreOutput] = []
-    for rid, (first, block_ids, tenancy) in sched_out.kv_loads.items():
+    for rid, (first, block_ids, tenancy) in loads.items():
         request = scheduler.requests.get(rid)
         if request is None or request.num_preemptions != tenancy:
             continue   # finished or reset since: nothing it holds now came from this load
-        bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
-        first_bad = None if bad is None else first + bad
-        kv_cache.settle_loaded(request, first_bad)
+        first_bad = _first_bad(first, block_ids, invalid_block_ids)
+        scheduler.kv_cache.settle_loaded(request, first_bad)
         if first_bad is None:
             continue
-        message = (f"request {rid}: KV block {first_bad} (of the blocks loaded from "
-                   f"{first} on) failed to load")
-        if policy == "recompute":
-            logger.warning("%s; recomputing from token %d", message,
-                           first_bad * scheduler.block_size)
+        message = _failure(scheduler, request, first, first_bad)
+        if scheduler.kv_load_failure_policy == "recompute":
             assert request.status == RequestStatus.RUNNING, f"{rid} is {request.status.name}"
             scheduler.preempt(request)
-            request.kv_load_failed = True
             if not request.output_token_ids:
                 request.num_cached_tokens = -1   # measured again when it is scheduled
         else:
-            logger.error("%s; ending it (kv_load_failure_policy='fail')", message)
-            scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
-            ended.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
-                                          stop_reason=message))
+            ended.append(_end_with_error(scheduler, request, message))
     return ended
+
+
+def settle_async_load(scheduler: Scheduler, rid: str, invalid_block_ids: set[int]
+                      ) -> list[EngineCoreOutput]:
+    """An asynchronous load reported done: the request goes back to the waiting queue with the
+    tokens it really has, or ends (policy "fail"); returns its final output if it ended."""
+    aborted = scheduler.free_after_load.pop(rid, None)
+    if aborted is not None:   # it ended while its load wrote into its blocks
+        scheduler.kv_cache.free(aborted)
+        return []
+    first, block_ids, _ = scheduler.loading.pop(rid)
+    request = scheduler.requests[rid]
+    first_bad = _first_bad(first, block_ids, invalid_block_ids)
+    bs = scheduler.block_size
+    request.num_computed_tokens = (first + len(block_ids) if first_bad is None else first_bad) * bs
+    scheduler.kv_cache.settle_loaded(request, first_bad)
+    request.status = RequestStatus.WAITING
+    scheduler.loaded.append(request)
+    if first_bad is None:
+        return []
+    message = _failure(scheduler, request, first, first_bad)
+    if scheduler.kv_load_failure_policy == "recompute":
+        return []   # it keeps its blocks and recomputes from the first bad one
+    return [_end_with_error(scheduler, request, message)]
+
+
+def _first_bad(first: int, block_ids: list[int], invalid_block_ids: set[int]) -> int | None:
+    """Index, in its request, of the first loaded block that failed; None if none did."""
+    return next((first + i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
+
+
+def _failure(scheduler: Scheduler, request: Request, first: int, first_bad: int) -> str:
+    """Marks the request (it is not offered external KV again) and logs; returns the message."""
+    request.kv_load_failed = True
+    message = (f"request {request.request_id}: KV block {first_bad} (of the blocks loaded "
+               f"from {first} on) failed to load")
+    if scheduler.kv_load_failure_policy == "recompute":
+        logger.warning("%s; recomputing from token %d", message, first_bad * scheduler.block_size)
+    else:
+        logger.error("%s; ending it (kv_load_failure_policy='fail')", message)
+    return message
+
+
+def _end_with_error(scheduler: Scheduler, request: Request, message: str) -> EngineCoreOutput:
+    from treadle.core.scheduler import EngineCoreOutput
+
+    scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+    return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                            finish_reason="error", stop_reason=message)

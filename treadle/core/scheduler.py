@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import time
 from dataclasses import dataclass
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.kv_load_recovery import settle_kv_loads
+from treadle.core.admission import admit
+from treadle.core.kv_load_recovery import settle_async_load, settle_kv_loads
 from treadle.core.waiting_queue import WaitingQueue
 from treadle.core.stats import SchedulerStats, SpecDecodingStats
 from treadle.core.scheduler_output import (
@@ -55,6 +55,13 @@ class Scheduler:
         self.config = sched_config
         self.connector = connector   # its scheduler side, when KV crosses the engine's boundary
         self.kv_load_failure_policy = kv_load_failure_policy
+        # Asynchronous KV loads going on, per request (as in SchedulerOutput.kv_loads), and
+        # requests that ended meanwhile, whose blocks are freed only once the load is done.
+        self.loading: dict[str, tuple[int, list[int], int]] = {}
+        self.free_after_load: dict[str, Request] = {}
+        # Requests back from an asynchronous load: they hold the blocks of their whole prompt,
+        # so they can always start, and they start before the waiting queue.
+        self.loaded: list[Request] = []
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
@@ -72,7 +79,7 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.free_after_load:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
@@ -97,19 +104,29 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif loading:
+                del self.loading[rid]
+            elif request in self.loaded:
+                self.loaded.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free(request)
+            self._free(request, keep_blocks=loading)
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request, keep_blocks: bool = False) -> None:
+        """Forget a finished request; with keep_blocks, a load still writes into its blocks,
+        which are freed when it reports done (`free_after_load`)."""
         if self.connector is not None:
             delay, request.kv_transfer_params = self.connector.request_finished(
                 request, self.kv_cache.get_block_ids(request.request_id))
             assert not delay, "connectors that keep blocks after a request ends are not supported yet"
-        self.kv_cache.free(request)
+        if keep_blocks:
+            self.free_after_load[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
         if request.num_in_flight_steps:
             # Its steps still in flight return before any step of a new request with its id.
             self._finished_in_flight[request.request_id] = (
@@ -129,7 +146,12 @@ class Scheduler:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or finished with an asynchronous load still writing."""
+        return bool(self.requests or self.free_after_load)
+
+    def num_loading(self) -> int:
+        """Asynchronous KV loads still going, ended requests' included."""
+        return len(self.loading) + len(self.free_after_load)
 
     # -- the step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -143,6 +165,7 @@ class Scheduler:
         # Blocks each scheduled running request had published before this step's allocation.
         published_before: dict[str, int] = {}
         kv_loads: dict[str, tuple[int, list[int], int]] = {}   # see SchedulerOutput.kv_loads
+        async_loads: dict[str, tuple[int, list[int], int]] = {}
 
         # 1. Running requests first, in order; preempt from the back when blocks run out.
         i = 0
@@ -183,44 +206,15 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, unless this step already had to preempt.
-        while (not preempted and len(self.waiting) and budget > 0
+        while (not preempted and (self.loaded or len(self.waiting)) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting.peek()
-            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
-            num_external = 0   # tokens after the hit whose KV a connector loads this step
-            if self.connector is not None and not request.kv_load_failed:
-                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
-                if num_external is None:
-                    break   # the connector cannot tell yet: keep the queue's order
-                assert not load_async, "asynchronous KV loads are not supported yet"
-            num_new = request.num_tokens - num_hit - num_external
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break  # no chunking: wait for room rather than let a later request skip ahead
-            num_new = min(num_new, budget)
-            blocks = self.kv_cache.allocate_slots(request, num_external + num_new, hit_blocks,
-                                                  num_hit, num_external)
-            if blocks is None:
-                break
-            self.waiting.pop()
-            self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            if self.connector is not None:
-                block_ids = self.kv_cache.get_block_ids(request.request_id)
-                self.connector.update_state_after_alloc(request, block_ids, num_external)
-                if num_external:
-                    first = num_hit // self.block_size
-                    kv_loads[request.request_id] = (
-                        first, block_ids[first:first + num_external // self.block_size],
-                        request.num_preemptions)
-                request.num_computed_tokens += num_external
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = request.num_computed_tokens
-                request.queue_time = time.monotonic() - request.arrival_time
-            self.running.append(request)
-            scheduled_new.append(request)
-            num_scheduled[request.request_id] = num_new
+            request = self.loaded[0] if self.loaded else self.waiting.peek()
+            num_new = admit(self, request, budget, num_scheduled, kv_loads, async_loads)
+            if num_new is None:
+                break   # it cannot start now; the queue keeps its order
             budget -= num_new
+            if num_new:
+                scheduled_new.append(self.running[-1])
 
         new_reqs = [
             NewRequestData(
@@ -237,16 +231,15 @@ class Scheduler:
             cached.new_block_ids.append(new_blocks_of[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
 
-        # An empty step never reaches the workers: keep the ids for the next one that does.
-        finished = self._finished_ids if num_scheduled else set()
-        if num_scheduled:
-            self._finished_ids = set()
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=finished, scheduled_spec_decode_tokens=spec_tokens,
-            kv_loads=kv_loads)
+            scheduled_spec_decode_tokens=spec_tokens, kv_loads=kv_loads,
+            async_kv_loads=async_loads, num_loading_requests=self.num_loading())
+        # An empty step never reaches the workers: keep the ids for the next one that does.
+        if not out.is_empty:
+            out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         # Computed counts advance at schedule time: the next schedule() already sees this step's
         # work. A chunk that reaches past every known and in-flight token samples, putting
         # 1 + drafts output tokens in flight.
@@ -263,8 +256,19 @@ class Scheduler:
             assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
-        if self.connector is not None and num_scheduled:
+        if self.connector is not None and not out.is_empty:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def poll_kv_loads(self) -> SchedulerOutput:
+        """A step with no tokens that lets the workers report asynchronous loads finished
+        (while paused, or before the prefix cache is reset)."""
+        out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                              finished_req_ids=self._finished_ids,
+                              num_loading_requests=self.num_loading())
+        self._finished_ids = set()
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> tuple[int, list[int]]:
@@ -319,10 +323,11 @@ class Scheduler:
         kv_out = runner_out.kv_connector_output
         if self.connector is not None and kv_out is not None:
             self.connector.update_connector_output(kv_out)
+        invalid = kv_out.invalid_block_ids if kv_out is not None else set()
         if sched_out.kv_loads:   # before the outputs: a failed load makes this step's stale
-            outputs += settle_kv_loads(self, sched_out,
-                                       kv_out.invalid_block_ids if kv_out is not None else set(),
-                                       self.kv_load_failure_policy)
+            outputs += settle_kv_loads(self, sched_out.kv_loads, invalid)
+        for rid in kv_out.finished_recving if kv_out is not None else ():
+            outputs += settle_async_load(self, rid, invalid)
         sampled_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         for rid in sched_out.num_scheduled_tokens:
             sampled = sampled_of.get(rid)
@@ -404,12 +409,18 @@ class Scheduler:
             # From the back, each to the front of the queue: the waiting order stays FCFS.
             for request in reversed(list(self.running)):
                 self.preempt(request)
+            for request in reversed(self.loaded):   # their loaded KV goes too
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
+                self.waiting.add(request, front=True)
+            self.loaded.clear()
         return self.kv_cache.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.loaded) + len(self.loading),
             kv_cache_usage=kv.pool.usage(), prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits, num_preemptions=self.num_preemptions,
             spec_decoding=dataclasses.replace(self.spec_stats,

@@ -52,10 +52,21 @@ class SchedulerOutput:
     # block, the loaded block ids, its num_preemptions then: which tenancy of its blocks).
     # Settled when the step returns (core/kv_load_recovery.py).
     kv_loads: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
+    # The same for loads started this step that finish asynchronously, in a later step's
+    # KVConnectorOutput.finished_recving; their requests compute nothing meanwhile.
+    async_kv_loads: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
+    # Requests whose asynchronous KV loads are still going: a step with no tokens still goes
+    # to the workers while there are any, so that they can report them finished.
+    num_loading_requests: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and self.num_loading_requests == 0
+
+    def loaded_block_ids(self) -> list[int]:
+        """Blocks a connector starts writing this step."""
+        return [b for loads in (self.kv_loads, self.async_kv_loads)
+                for _, block_ids, _ in loads.values() for b in block_ids]
 
 
 @dataclass

@@ -179,7 +179,17 @@ class EngineCore:
         """Drop cached prefixes after in-flight steps finish. With reset_running_requests, running
         requests are preempted first and resume by recompute; otherwise False while any is running."""
         self.drain()
+        self._wait_for_kv_loads()
         return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def _wait_for_kv_loads(self) -> None:
+        """Let asynchronous KV loads finish: until then they write into blocks they hold."""
+        scheduler = self.scheduler
+        while scheduler.num_loading():
+            sched_out = scheduler.poll_kv_loads()
+            result = self.executor.execute_model(sched_out, non_block=self.async_scheduling)
+            runner_out = result.result() if isinstance(result, Future) else result
+            self._pending += scheduler.update_from_output(sched_out, runner_out)
 
     def _check_quiet(self, what: str) -> None:
         if self.scheduler.running and not self.paused:

@@ -17,7 +17,9 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 import zlib
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +50,11 @@ class BlockTransfer:
 @dataclass
 class SharedStorageMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
+    async_loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)   # per request
     saves: list[BlockTransfer] = field(default_factory=list)
+    # How long the worker may wait for an asynchronous load to finish: a step with no tokens
+    # exists only to hear about them, so it waits a little rather than spin.
+    poll_wait_s: float = 0.0
 
 
 @dataclass
@@ -70,15 +76,22 @@ class SharedStorageConnector(KVConnectorBase):
         self._layout = (os.path.realpath(model.model), str(model.dtype), model.num_layers,
                         model.num_kv_heads, model.head_dim, self.block_size)
         self.weight_version: object = 0
+        # With "load_async": true, loads run on a worker thread while the engine steps on, and
+        # their requests wait (WAITING_FOR_REMOTE_KVS) until they are done.
+        self.load_async = bool(self.extra.get("load_async", False))
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
+        self._async_loads: dict[str, list[BlockTransfer]] = {}
         # Worker side.
         self._kv_caches: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
         # Requests with a failed load: what they compute on top of it is wrong, so none of it
         # is saved until the scheduler has reset them (they arrive in finished_req_ids).
         self._failed_reqs: set[str] = set()
+        self._io: ThreadPoolExecutor | None = None
+        self._recving: dict[str, Future] = {}   # request -> its asynchronous load
+        self.load_delay_s = float(self.extra.get("inject_load_delay_s", 0.0))
         self.injector = LoadFaultInjector(self.extra)
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
@@ -105,26 +118,36 @@ class SharedStorageConnector(KVConnectorBase):
             if not self._path(self.block_key(block_hash)).exists():
                 break
             num_blocks += 1
-        return num_blocks * self.block_size, False
+        return num_blocks * self.block_size, self.load_async and num_blocks > 0
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         first = request.num_computed_tokens // self.block_size
         num_external = num_external_tokens // self.block_size
-        for i in range(first, first + num_external):
-            self._loads.append(BlockTransfer(request.request_id, block_ids[i],
-                                            self.block_key(request.block_hashes[i]), i))
+        loads = [BlockTransfer(request.request_id, block_ids[i],
+                               self.block_key(request.block_hashes[i]), i)
+                 for i in range(first, first + num_external)]
+        if self.load_async and loads:
+            self._async_loads[request.request_id] = loads
+        else:
+            self._loads += loads
         self._tracked[request.request_id] = _Tracked(request, list(block_ids), first + num_external)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SharedStorageMetadata:
-        meta = SharedStorageMetadata(loads=self._loads)
-        self._loads = []
+        meta = SharedStorageMetadata(loads=self._loads, async_loads=self._async_loads,
+                                     poll_wait_s=0.0 if scheduler_output.num_scheduled_tokens
+                                     else 0.005)
+        self._loads, self._async_loads = [], {}
         new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
         for rid in scheduler_output.finished_req_ids - new_ids:
             self._tracked.pop(rid, None)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
             self._tracked[rid].block_ids += block_ids
+        for new in scheduler_output.scheduled_new_reqs:   # maybe back from an asynchronous load
+            tracked = self._tracked[new.req_id]
+            tracked.block_ids = list(new.block_ids)
+            tracked.num_handled = min(tracked.num_handled, new.num_computed_tokens // self.block_size)
         if not self.is_producer:
             return meta
         for rid in scheduler_output.num_scheduled_tokens:
@@ -150,7 +173,21 @@ class SharedStorageConnector(KVConnectorBase):
         meta = self._metadata
         if not isinstance(meta, SharedStorageMetadata):
             return
-        for load in meta.loads:
+        self._load_errors |= self._load_blocks(meta.loads)
+        for rid, loads in meta.async_loads.items():
+            if self._io is None:
+                self._io = ThreadPoolExecutor(1, thread_name_prefix="treadle-kv-load")
+            # Nothing computes on top of these before they are done: no save to hold back.
+            self._recving[rid] = self._io.submit(self._load_blocks, loads, self.load_delay_s,
+                                                 False)
+
+    def _load_blocks(self, loads: list[BlockTransfer], delay_s: float = 0.0,
+                     hold_back_saves: bool = True) -> set[int]:
+        """Loads blocks into the cache; returns the ids of those that failed."""
+        if delay_s:
+            time.sleep(delay_s)
+        failed: set[int] = set()
+        for load in loads:
             try:
                 if self.injector.should_fail(load.index):
                     raise OSError("injected load failure")
@@ -160,8 +197,10 @@ class SharedStorageConnector(KVConnectorBase):
                 logger.warning("KV block %s failed to load into block %d: %s",
                                load.key[:12], load.block_id, e)
                 self.num_failed_loads += 1
-                self._load_errors.add(load.block_id)
-                self._failed_reqs.add(load.req_id)
+                failed.add(load.block_id)
+                if hold_back_saves:
+                    self._failed_reqs.add(load.req_id)
+        return failed
 
     def wait_for_save(self) -> None:
         meta = self._metadata
@@ -173,8 +212,16 @@ class SharedStorageConnector(KVConnectorBase):
                 self.num_saved_blocks += 1
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Saves complete within their step; asynchronous loads report here when done (an
+        aborted request's too: its blocks are held until then)."""
         self._failed_reqs -= finished_req_ids
-        return set(), set()   # loads and saves complete within their step
+        meta = self._metadata
+        if self._recving and isinstance(meta, SharedStorageMetadata) and meta.poll_wait_s:
+            wait(self._recving.values(), timeout=meta.poll_wait_s, return_when=FIRST_COMPLETED)
+        done = {rid for rid, future in self._recving.items() if future.done()}
+        for rid in done:
+            self._load_errors |= self._recving.pop(rid).result()
+        return set(), done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -114,16 +114,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_slots(so)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput.empty()
         if self.connector is None:
-            return self._execute(so)
-        # Loads land before the forward pass reads them; saves follow it.
+            return self._execute(so) if so.total_num_scheduled_tokens else ModelRunnerOutput.empty()
+        # Loads land before the forward pass reads them (asynchronous ones in blocks nothing
+        # reads until they are done); saves follow it. A step may only poll for loads.
         connector = self.connector
-        finished_sending, finished_recving = connector.get_finished(so.finished_req_ids)
         connector.bind_connector_metadata(so.kv_connector_metadata)
+        finished_sending, finished_recving = connector.get_finished(so.finished_req_ids)
+        self._zero_blocks(so.loaded_block_ids())   # before a load writes them, not after
         connector.start_load_kv()
-        out = self._execute(so)
+        out = self._execute(so) if so.total_num_scheduled_tokens else ModelRunnerOutput.empty()
         connector.wait_for_save()
         connector.clear_connector_metadata()
         out.kv_connector_output = KVConnectorOutput(

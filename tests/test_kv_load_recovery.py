@@ -19,10 +19,15 @@ from treadle.request import Request, RequestStatus
 class FakeStore(KVConnectorBase):
     """The scheduler side of a connector whose store holds the blocks of `stored` prompts."""
 
-    def __init__(self, load_async: bool = False) -> None:   # no engine config: scheduler side only
+    def __init__(self, load_async: bool = False, delay_free: bool = False) -> None:
+        # No engine config: only the scheduler side is used.
         self.stored: set[bytes] = set()
         self.asked: list[str] = []
         self.load_async = load_async
+        self.delay_free = delay_free   # finished requests' blocks are sent after the fact
+
+    def request_finished(self, request: Request, block_ids: list[int]):
+        return self.delay_free, {"blocks": block_ids} if self.delay_free else None
 
     def store(self, request: Request) -> None:
         self.stored.update(request.block_hashes)
@@ -38,9 +43,9 @@ class FakeStore(KVConnectorBase):
         return num * BS, self.load_async and num > 0
 
 
-def connected(policy: str = "recompute", load_async: bool = False, **kw
-              ) -> tuple[Scheduler, FakeStore]:
-    store = FakeStore(load_async)
+def connected(policy: str = "recompute", load_async: bool = False, delay_free: bool = False,
+              **kw) -> tuple[Scheduler, FakeStore]:
+    store = FakeStore(load_async, delay_free)
     sched = make_scheduler(**kw)
     sched.connector, sched.kv_load_failure_policy = store, policy
     return sched, store
@@ -193,17 +198,41 @@ def test_an_abort_during_an_async_load_frees_the_blocks_once_the_load_is_done(de
     runner.check_ledger()
 
 
+# -- delayed frees ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("abort", [False, True])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_finished_requests_blocks_stay_held_until_they_are_sent(depth, abort):
+    sched, _ = connected(delay_free=True, num_blocks=40)
+    runner = AsyncRunner(sched, load_steps=3)
+    a = make_request("a", 9, max_tokens=2)
+    runner.add(a)
+    runner.schedule()
+    if abort:
+        runner.abort("a")
+    else:
+        while "a" in sched.requests:
+            runner.pump(depth)
+    assert a.is_finished and a.kv_transfer_params == {"blocks": sched.kv_cache.get_block_ids("a")}
+    assert sched.kv_cache.holds_blocks("a") and sched.has_unfinished_requests()
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("a", 5))
+    runner.drain(depth)                  # steps with no tokens hear that the blocks are sent
+    assert not sched.kv_cache.holds_blocks("a") and not sched.sending
+    runner.check_ledger()
+
+
 # -- random interleavings of loads, failures, steps, aborts and preemptions ------------------------
 @settings(deadline=None)
 @given(num_blocks=st.integers(10, 24), depth=st.sampled_from([1, 2]),
        budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["recompute", "fail"]),
-       load_async=st.booleans(), seed=st.integers(0, 2**32 - 1),
+       load_async=st.booleans(), delay_free=st.booleans(), seed=st.integers(0, 2**32 - 1),
        num_events=st.integers(10, 120))
 def test_kv_loads_under_random_interleavings(num_blocks: int, depth: int, budget: int,
-                                             policy: str, load_async: bool, seed: int,
-                                             num_events: int):
+                                             policy: str, load_async: bool, delay_free: bool,
+                                             seed: int, num_events: int):
     rng = random.Random(seed)
-    sched, store = connected(policy, load_async, num_blocks=num_blocks, budget=budget)
+    sched, store = connected(policy, load_async, delay_free, num_blocks=num_blocks,
+                             budget=budget)
     fail_rate = rng.choice([0.0, 0.2, 0.5])
     runner = AsyncRunner(sched, load_fails=lambda rid, i: rng.random() < fail_rate,
                          load_steps=rng.randint(1, 4))

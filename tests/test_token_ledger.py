@@ -184,6 +184,7 @@ class AsyncRunner:
         # Asynchronous KV loads finish `load_steps` returned steps after they start.
         self.load_steps = load_steps
         self.loading: dict[str, list] = {}   # rid -> [(first block, block ids, tenancy), steps left]
+        self.sending: dict[str, int] = {}    # rid -> steps left until its blocks are sent
         self.fifo: deque[InFlightStep] = deque()
         self.requests: dict[str, Request] = {}     # every request ever added, finished or not
         self.delivered: dict[str, list[int]] = defaultdict(list)
@@ -243,6 +244,19 @@ class AsyncRunner:
             invalid |= self.kv.load(rid, first, block_ids, self.input_tokens, self.load_fails)
         return done, invalid
 
+    def finish_sends(self) -> set[str]:
+        """Finished requests whose blocks the connector kept (delayed frees) are sent
+        `load_steps` returned steps after they finished."""
+        for rid in self.sched.sending:
+            self.sending.setdefault(rid, self.load_steps)
+        done = set()
+        for rid in list(self.sending):
+            self.sending[rid] -= 1
+            if self.sending[rid] <= 0:
+                del self.sending[rid]
+                done.add(rid)
+        return done
+
     def input_tokens(self, rid: str, end: int, drafts: list[int]) -> list[int]:
         """A step's input: the prompt, the outputs (known or in flight), then its drafts."""
         prompt = self.requests[rid].prompt_token_ids
@@ -271,11 +285,12 @@ class AsyncRunner:
             if self.propose is not None and (drafts := self.propose(rid, p + len(tokens))):
                 proposals[rid] = drafts
         recved, invalid = self.finish_async_loads()
+        sent = self.finish_sends()
         outs = self.sched.update_from_output(
             so, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                   draft_token_ids=proposals,
                                   kv_connector_output=KVConnectorOutput(
-                                      finished_recving=recved,
+                                      finished_sending=sent, finished_recving=recved,
                                       invalid_block_ids=step.invalid_block_ids | invalid)))
         for out in outs:
             assert out.request_id not in self.finish_reason, f"{out.request_id}: output after finishing"
@@ -287,10 +302,10 @@ class AsyncRunner:
         return outs
 
     def reset(self) -> bool:
-        if self.sched.num_loading():   # as EngineCore does: steps in flight, then the loads
+        if self.sched.num_kv_transfers():   # as EngineCore does: steps in flight, then transfers
             while self.fifo:
                 self.complete()
-            while self.sched.num_loading():
+            while self.sched.num_kv_transfers():
                 self.schedule(poll=True)
                 self.complete()
         ok = self.sched.reset_prefix_cache(reset_running_requests=True)

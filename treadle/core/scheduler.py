@@ -59,6 +59,9 @@ class Scheduler:
         # requests that ended meanwhile, whose blocks are freed only once the load is done.
         self.loading: dict[str, tuple[int, list[int], int]] = {}
         self.free_after_load: dict[str, Request] = {}
+        # Finished requests whose blocks the connector still reads (delay_free_blocks): freed
+        # when it reports them sent (finished_sending).
+        self.sending: dict[str, Request] = {}
         # Requests back from an asynchronous load: they hold the blocks of their whole prompt,
         # so they can always start, and they start before the waiting queue.
         self.loaded: list[Request] = []
@@ -79,7 +82,8 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.free_after_load:
+        if any(request.request_id in held for held in (self.requests, self.free_after_load,
+                                                        self.sending)):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
@@ -117,14 +121,17 @@ class Scheduler:
             self._free(request, keep_blocks=loading)
 
     def _free(self, request: Request, keep_blocks: bool = False) -> None:
-        """Forget a finished request; with keep_blocks, a load still writes into its blocks,
-        which are freed when it reports done (`free_after_load`)."""
+        """Forget a finished request. Its blocks are freed now, unless a load still writes into
+        them (keep_blocks: freed when the load is done) or the connector still sends them
+        (delay_free_blocks: freed when it reports them sent)."""
+        delay = False
         if self.connector is not None:
             delay, request.kv_transfer_params = self.connector.request_finished(
                 request, self.kv_cache.get_block_ids(request.request_id))
-            assert not delay, "connectors that keep blocks after a request ends are not supported yet"
         if keep_blocks:
             self.free_after_load[request.request_id] = request
+        elif delay:
+            self.sending[request.request_id] = request
         else:
             self.kv_cache.free(request)
         if request.num_in_flight_steps:
@@ -146,12 +153,13 @@ class Scheduler:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or finished with an asynchronous load still writing."""
-        return bool(self.requests or self.free_after_load)
+        """Requests not finished, or finished with KV still moving in or out of their blocks."""
+        return bool(self.requests) or self.num_kv_transfers() > 0
 
-    def num_loading(self) -> int:
-        """Asynchronous KV loads still going, ended requests' included."""
-        return len(self.loading) + len(self.free_after_load)
+    def num_kv_transfers(self) -> int:
+        """Requests whose blocks a connector still writes (asynchronous loads, ended requests'
+        included) or reads (delayed frees)."""
+        return len(self.loading) + len(self.free_after_load) + len(self.sending)
 
     # -- the step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -236,7 +244,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=spec_tokens, kv_loads=kv_loads,
-            async_kv_loads=async_loads, num_loading_requests=self.num_loading())
+            async_kv_loads=async_loads, num_kv_transfers=self.num_kv_transfers())
         # An empty step never reaches the workers: keep the ids for the next one that does.
         if not out.is_empty:
             out.finished_req_ids, self._finished_ids = self._finished_ids, set()
@@ -266,7 +274,7 @@ class Scheduler:
         out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
                               num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                               finished_req_ids=self._finished_ids,
-                              num_loading_requests=self.num_loading())
+                              num_kv_transfers=self.num_kv_transfers())
         self._finished_ids = set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -328,6 +336,9 @@ class Scheduler:
             outputs += settle_kv_loads(self, sched_out.kv_loads, invalid)
         for rid in kv_out.finished_recving if kv_out is not None else ():
             outputs += settle_async_load(self, rid, invalid)
+        for rid in kv_out.finished_sending if kv_out is not None else ():
+            if (request := self.sending.pop(rid, None)) is not None:
+                self.kv_cache.free(request)
         sampled_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         for rid in sched_out.num_scheduled_tokens:
             sampled = sampled_of.get(rid)

@@ -55,13 +55,13 @@ class SchedulerOutput:
     # The same for loads started this step that finish asynchronously, in a later step's
     # KVConnectorOutput.finished_recving; their requests compute nothing meanwhile.
     async_kv_loads: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
-    # Requests whose asynchronous KV loads are still going: a step with no tokens still goes
-    # to the workers while there are any, so that they can report them finished.
-    num_loading_requests: int = 0
+    # Requests whose blocks a connector still writes or reads (Scheduler.num_kv_transfers): a
+    # step with no tokens still goes to the workers while there are any, to hear them done.
+    num_kv_transfers: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0 and self.num_loading_requests == 0
+        return self.total_num_scheduled_tokens == 0 and self.num_kv_transfers == 0
 
     def loaded_block_ids(self) -> list[int]:
         """Blocks a connector starts writing this step."""

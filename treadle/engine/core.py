@@ -179,13 +179,14 @@ class EngineCore:
         """Drop cached prefixes after in-flight steps finish. With reset_running_requests, running
         requests are preempted first and resume by recompute; otherwise False while any is running."""
         self.drain()
-        self._wait_for_kv_loads()
+        self._wait_for_kv_transfers()
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
-    def _wait_for_kv_loads(self) -> None:
-        """Let asynchronous KV loads finish: until then they write into blocks they hold."""
+    def _wait_for_kv_transfers(self) -> None:
+        """Let a connector finish with the blocks it still writes (asynchronous loads) or reads
+        (delayed frees): until then they stay held."""
         scheduler = self.scheduler
-        while scheduler.num_loading():
+        while scheduler.num_kv_transfers():
             sched_out = scheduler.poll_kv_loads()
             result = self.executor.execute_model(sched_out, non_block=self.async_scheduling)
             runner_out = result.result() if isinstance(result, Future) else result

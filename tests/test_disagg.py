@@ -65,7 +65,8 @@ def pd(tiny_checkpoints, tmp_path_factory):
                            "kv_connector_extra_config": {"shared_storage_path": store}})
 
     prefill = Server(llama, root, "--block-size", "16", "--kv-transfer-config", kv("kv_producer"))
-    decode = Server(llama, root, "--block-size", "16", "--kv-transfer-config", kv("kv_consumer"))
+    decode = Server(llama, root, "--block-size", "16", "--kv-transfer-config", kv("kv_consumer"),
+                    "--enable-log-requests")
     proxy = Proxy(prefill, decode, root)
     yield prefill, decode, proxy
     proxy.stop()
@@ -85,6 +86,11 @@ def test_proxy_output_equals_a_single_server_streamed_and_not(pd):
                                                   temperature=0)
     assert via_proxy.choices[0].text == single.choices[0].text
     assert via_proxy.usage.completion_tokens == 16
+    # The prefill answer carried kv_transfer_params, and the proxy handed them to the decode
+    # server (which logs each request's sampling parameters).
+    prefilled = prefill.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert prefilled.model_extra["kv_transfer_params"]["num_stored_blocks"] == 3
+    assert "'kv_transfer_params': {'shared_storage_path'" in decode.log()
     # The decode server loaded the prompt's whole blocks (all but the last token's) instead
     # of computing them.
     usage = via_proxy.usage

@@ -51,8 +51,11 @@ def store(tmp_path_factory, llama, prompts) -> Path:
     """A folder a producer filled with the prompts' KV (it ran each prompt for one token)."""
     path = tmp_path_factory.mktemp("kv-store")
     producer = LLM(llama, kv_transfer_config=kv_config(path, "kv_producer"))
-    producer.generate([{"prompt_token_ids": p} for p in prompts], greedy(1), use_tqdm=False)
+    outs = producer.generate([{"prompt_token_ids": p} for p in prompts], greedy(1), use_tqdm=False)
     assert connector_of(producer).num_saved_blocks > 0
+    # What a P/D proxy hands to the decode side: where the KV went, and how much of it.
+    assert [o.kv_transfer_params for o in outs] == [
+        {"shared_storage_path": str(path), "num_stored_blocks": len(p) // 16} for p in prompts]
     producer.engine.core.scheduler.kv_cache.assert_no_leaks()
     return path
 

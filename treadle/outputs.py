@@ -42,3 +42,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     weight_version: Any = None        # the engine's weights when this output was produced
+    kv_transfer_params: dict | None = None   # from the KV connector, once finished (P/D)

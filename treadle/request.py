@@ -98,9 +98,11 @@ class Request:
         self.queue_time: float | None = None   # seconds from arrival to the first schedule
         self.num_preemptions = 0
         # Set when a KV load for it failed: it recomputes locally and is not offered external
-        # KV again. kv_transfer_params: what the connector handed back when it finished.
+        # KV again. kv_transfer_params: what the client passed for the connector, and once it
+        # finishes, what the connector hands back (for the decode side of a P/D pair).
         self.kv_load_failed = False
-        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params: dict | None = (sampling_params.extra_args or {}).get(
+            "kv_transfer_params")
 
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = []

@@ -67,12 +67,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
+    # Free-form arguments for extensions, as in vLLM; a KV connector reads
+    # extra_args["kv_transfer_params"] (what the prefill side handed back, for P/D).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._normalise_and_validate()
 
     # -- validation ----------------------------------------------------------------------------
     def _normalise_and_validate(self) -> None:
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         self.n = self._int("n", self.n, minimum=1)
         self.temperature = self._real("temperature", self.temperature, ">= 0", lambda v: v >= 0)
         self.top_p = self._real("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)

@@ -45,6 +45,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None   # arrival to first schedule, seconds
+    kv_transfer_params: dict | None = None   # from the KV connector, on the final output
 
 
 class Scheduler:
@@ -388,6 +389,7 @@ class Scheduler:
                 out.stop_reason = request.stop_reason
                 self.running.remove(request)
                 self._free(request)
+                out.kv_transfer_params = request.kv_transfer_params
             elif rid in runner_out.draft_token_ids:
                 request.spec_token_ids = list(runner_out.draft_token_ids[rid])
             outputs.append(out)

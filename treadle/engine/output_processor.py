@@ -70,6 +70,7 @@ class RequestState:
     last_token_at: float | None = None
     num_generated: int = 0
     queue_time: float | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -124,6 +125,8 @@ class OutputProcessor:
             state, sample = entry
             state.num_cached_tokens = out.num_cached_tokens
             state.queue_time = out.queue_time
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             # EOS or a stop token ended it: that token's text is not part of the output.
             stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
             num_before = len(sample.detokenizer.token_ids)
@@ -228,7 +231,8 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=state.finished, prompt_logprobs=state.prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens, weight_version=self.weight_version)
+            num_cached_tokens=state.num_cached_tokens, weight_version=self.weight_version,
+            kv_transfer_params=state.kv_transfer_params)
 
     @staticmethod
     def _take_delta(sample: SampleState) -> tuple[list[int], list | None]:

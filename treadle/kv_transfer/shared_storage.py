@@ -162,8 +162,12 @@ class SharedStorageConnector(KVConnectorBase):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]):
-        self._tracked.pop(request.request_id, None)
-        return False, None   # saves finish within their step: nothing to wait for
+        """Saves finish within their step: nothing to wait for. A producer tells the decode
+        side where its KV went and how many of the request's blocks are stored."""
+        tracked = self._tracked.pop(request.request_id, None)
+        if not self.is_producer or tracked is None:
+            return False, None
+        return False, {"shared_storage_path": str(self.root), "num_stored_blocks": tracked.num_handled}
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

@@ -61,6 +61,8 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     priority: Int64 = 0
     logit_bias: dict[str, float] | None = None
+    # For the KV connector (vLLM's field): what a P/D prefill answer handed back.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -142,6 +144,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None   # the KV connector's, for P/D
 
 
 class ChatLogProb(BaseModel):
@@ -178,6 +181,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None   # the KV connector's, for P/D
 
 
 class DeltaMessage(BaseModel):

@@ -129,6 +129,8 @@ class OpenAIServing:
         kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS
                   if getattr(req, name) is not None}
         kwargs.setdefault("temperature", _DEFAULT_TEMPERATURE)
+        if req.kv_transfer_params is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": req.kv_transfer_params}
         kwargs.update(overrides)
         try:
             return SamplingParams(output_kind=output_kind, **kwargs)

@@ -59,7 +59,7 @@ class _Renderer:
                    for c in out.outputs]
         body = ChatCompletionResponse(id=self.id, created=self.created,
                                       model=self.serving.model_name, choices=choices,
-                                      usage=usage(finals))
+                                      usage=usage(finals), kv_transfer_params=out.kv_transfer_params)
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def chunks(self, firsts: list[RequestOutput], streams: PromptStreams

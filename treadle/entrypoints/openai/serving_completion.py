@@ -96,7 +96,8 @@ class _Renderer:
                                             stop_reason=c.stop_reason))
         body = CompletionResponse(id=self.id, created=self.created, model=self.serving.model_name,
                                   choices=choices,
-                                  usage=usage(finals, count_completion=not self.prompt_only))
+                                  usage=usage(finals, count_completion=not self.prompt_only),
+                                  kv_transfer_params=finals[0].kv_transfer_params)
         return Response(body.model_dump_json(), media_type="application/json")
 
     # -- streamed ----------------------------------------------------------------------------

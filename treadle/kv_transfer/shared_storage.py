@@ -4,7 +4,8 @@
 tokens is one file, named by the block's prefix hash and what makes KV differ between engines:
 the model, the dtype, the layer layout, the block size and the weight version. A producer saves
 the blocks each step computes; a consumer, when it first schedules a request, loads the longest
-run of stored blocks after its local prefix-cache hit, at the start of that step.
+run of stored blocks after its local prefix-cache hit: at the start of that step, or with
+`"load_async": true` on a worker thread while the request waits for it.
 
 A file is written under a temporary name and renamed, so a writer that dies mid-write leaves
 no file a reader trusts; its checksum is verified on load, and a block that fails it (or is

@@ -185,7 +185,10 @@ def test_aborting_during_an_async_load_frees_everything(llama, reference, prompt
     async def body() -> list[int]:
         stream = engine.generate({"prompt_token_ids": prompts[0]}, greedy(), request_id="gone")
         task = asyncio.create_task(anext(stream))
-        await asyncio.sleep(0.2)            # the request now waits for its load
+        for _ in range(100):                 # until the request waits for its load (0.5 s)
+            if engine.core.scheduler.loading:
+                break
+            await asyncio.sleep(0.01)
         assert engine.core.scheduler.loading, "the load should still be going"
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

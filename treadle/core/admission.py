@@ -35,13 +35,12 @@ def admit(scheduler: Scheduler, request: Request, budget: int, num_scheduled: di
             return None  # no chunking: wait for room rather than let a later one skip ahead
         num_new = min(num_new, budget)
     if scheduler.kv_cache.allocate_slots(request, num_external + num_new, hit_blocks, num_hit,
-                                    num_external) is None:
+                                         num_external) is None:
         return None
     if returning:
         scheduler.loaded.pop(0)
     else:
         scheduler.waiting.pop()
-    if not returning:
         scheduler.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         if scheduler.connector is not None:

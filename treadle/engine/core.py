@@ -185,12 +185,11 @@ class EngineCore:
     def _wait_for_kv_transfers(self) -> None:
         """Let a connector finish with the blocks it still writes (asynchronous loads) or reads
         (delayed frees): until then they stay held."""
-        scheduler = self.scheduler
-        while scheduler.num_kv_transfers():
-            sched_out = scheduler.poll_kv_loads()
+        while self.scheduler.num_kv_transfers():
+            sched_out = self.scheduler.poll_kv_loads()
             result = self.executor.execute_model(sched_out, non_block=self.async_scheduling)
-            runner_out = result.result() if isinstance(result, Future) else result
-            self._pending += scheduler.update_from_output(sched_out, runner_out)
+            self.batch_queue.append((result, sched_out))
+            self.drain()   # the one path that accounts for a step (and wraps its failures)
 
     def _check_quiet(self, what: str) -> None:
         if self.scheduler.running and not self.paused:

@@ -132,6 +132,44 @@ class KVTransferConfig:
         return config
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")   # "ray" is the next one (executor/__init__.py)
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over worker processes: `pipeline_parallel_size` stages of layers,
+    each split `tensor_parallel_size` ways. Rank = pp_rank * tensor_parallel_size + tp_rank."""
+
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    master_port: int | None = None   # torch.distributed's rendezvous; None: a free port
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    def check_model(self, model: "ModelConfig") -> None:
+        """Refuse a split the model cannot take, naming the numbers that do not divide."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads, kv_heads = model.hf_config.num_attention_heads, model.num_kv_heads
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's "
+                             f"{heads} attention heads")
+        if (kv_heads % tp) if kv_heads >= tp else (tp % kv_heads):
+            raise ValueError(f"tensor_parallel_size {tp} and the model's {kv_heads} KV heads "
+                             "must divide one another (KV heads are replicated when fewer)")
+        if model.hf_config.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's MLP size "
+                             f"{model.hf_config.intermediate_size}")
+        if model.vocab_size % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's vocabulary "
+                             f"of {model.vocab_size}")
+        if pp > model.num_layers:
+            raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's "
+                             f"{model.num_layers} layers")
+
+
 @dataclass
 class TreadleConfig:
     model: ModelConfig
@@ -140,6 +178,7 @@ class TreadleConfig:
     device: str = "cpu"
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
 
 def _default_device() -> str:
@@ -166,6 +205,11 @@ class EngineArgs:
     kv_transfer_config: dict[str, Any] | str | None = None
     seed: int = 0
     device: str | None = None
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    # "uni" (in this process) or "mp" (worker processes); None: uni at world size 1, else mp.
+    distributed_executor_backend: str | None = None
+    master_port: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -177,6 +221,10 @@ class EngineArgs:
         # Checked before the model is touched: a typo must not cost a model load.
         kv_transfer = (KVTransferConfig.from_dict(self.kv_transfer_config)
                        if self.kv_transfer_config is not None else None)
+        parallel = self._parallel_config()
+        if kv_transfer is not None and parallel.world_size > 1:
+            raise ValueError("kv_transfer_config with more than one worker is not supported yet: "
+                             "use pipeline_parallel_size=1 and tensor_parallel_size=1")
         device = self.device or _default_device()
         path = prepare_model(self.model)
         hf_config = load_hf_config(path)
@@ -220,8 +268,31 @@ class EngineArgs:
                                     async_scheduling=bool(self.async_scheduling))
         spec_cfg = (SpeculativeConfig.from_dict(self.speculative_config)
                     if self.speculative_config is not None else None)
+        parallel.check_model(model_cfg)
+        if spec_cfg is not None and parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
+                             "supported: drop speculative_config or use one stage")
         return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
-                             speculative=spec_cfg, kv_transfer=kv_transfer)
+                             speculative=spec_cfg, kv_transfer=kv_transfer, parallel=parallel)
+
+    def _parallel_config(self) -> ParallelConfig:
+        _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        world_size = self.pipeline_parallel_size * self.tensor_parallel_size
+        backend = self.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend 'ray' is not built yet; "
+                             f"use one of {', '.join(EXECUTOR_BACKENDS)}")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
+        if backend == "uni" and world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one worker; world size "
+                             f"{world_size} needs 'mp'")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        return ParallelConfig(self.pipeline_parallel_size, self.tensor_parallel_size,
+                              backend, self.master_port)
 
 
 def _json_fields(name: str, spec: dict[str, Any] | str, cls: type) -> dict[str, Any]:
@@ -266,20 +337,28 @@ def available_memory_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_from_budget(config: TreadleConfig) -> int:
-    """How many KV blocks to allocate: explicit count, byte budget, or sized to the machine."""
+def max_steps_in_flight(config: TreadleConfig) -> int:
+    """The batch queue's depth: a step per pipeline stage, and one more with async scheduling
+    (scheduled while the others run)."""
+    return config.parallel.pipeline_parallel_size + int(config.scheduler.async_scheduling)
+
+
+def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None) -> int:
+    """How many KV blocks to allocate: explicit count, byte budget, or sized to the machine.
+    `per_block`: bytes of one block on this worker (its layers and KV heads); else the model's."""
     cache, model = config.cache, config.model
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = cache.bytes_per_block(model)
+    per_block = per_block or cache.bytes_per_block(model)
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
     elif config.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         budget = int(free * 0.8)
     else:
-        # A quarter of free RAM, at most 2 GiB: tens of thousands of tokens for a small model.
-        budget = min(available_memory_bytes() // 4, 2 << 30)
+        # A quarter of free RAM, at most 2 GiB, shared by the workers: tens of thousands of
+        # tokens for a small model.
+        budget = min(available_memory_bytes() // 4, 2 << 30) // config.parallel.world_size
     num_blocks = budget // per_block
     if num_blocks < 2:
         raise ValueError(
@@ -289,5 +368,5 @@ def num_blocks_from_budget(config: TreadleConfig) -> int:
 
 
 __all__ = ["EngineArgs", "TreadleConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
-           "SpeculativeConfig", "KVTransferConfig",
-           "num_blocks_from_budget"]
+           "SpeculativeConfig", "KVTransferConfig", "ParallelConfig",
+           "num_blocks_from_budget", "max_steps_in_flight"]

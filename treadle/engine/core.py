@@ -1,25 +1,25 @@
 """EngineCore: the step loop joining the scheduler and the executor, and the RL controls.
 
-The batch queue holds steps scheduled and not yet accounted for: depth 1 when sync, 2 with
-async scheduling, so step N+1 is scheduled while step N runs. Steps are accounted for in the
-order they were scheduled; the scheduler counts what is in flight in tokens per request.
+The batch queue holds steps scheduled and not yet accounted for: one per pipeline stage, plus
+one with async scheduling, so step N+1 is scheduled while step N runs (and with P stages, P
+steps run at once, one in each). Steps are accounted for in the order they were scheduled; the
+scheduler counts what is in flight in tokens per request.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from treadle.config import TreadleConfig
+from treadle.config import TreadleConfig, max_steps_in_flight
 from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
-from treadle.executor.uniproc import UniProcExecutor
+from treadle.executor import create_executor
 from treadle.kv_transfer import KVConnectorRole, create_connector
 from treadle.request import Request, RequestStatus
 
@@ -33,7 +33,7 @@ SLEEP_TAGS = ("weights", "kv_cache")
 class EngineCore:
     def __init__(self, config: TreadleConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        self.executor = create_executor(config)
         num_blocks = self.executor.num_blocks
         cache, model = config.cache, config.model
         capacity = (num_blocks - 1) * cache.block_size
@@ -52,8 +52,9 @@ class EngineCore:
                     num_blocks * cache.bytes_per_block(model) / 2**20,
                     capacity / model.max_model_len, model.max_model_len)
         self.async_scheduling = config.scheduler.async_scheduling
-        self.max_steps_in_flight = 2 if self.async_scheduling else 1
-        self.batch_queue: deque[tuple[Future | ModelRunnerOutput, SchedulerOutput]] = deque()
+        self.max_steps_in_flight = max_steps_in_flight(config)
+        # A step returns at once (sync, one stage) or later, through its .result().
+        self.batch_queue: deque[tuple[Any, SchedulerOutput]] = deque()
         # Outputs of steps finished outside step() (drains, aborts); step() hands them out first.
         self._pending: list[EngineCoreOutput] = []
         self.paused = False
@@ -102,7 +103,8 @@ class EngineCore:
                 and self.scheduler.has_unfinished_requests()):
             sched_out = self.scheduler.schedule()
             if not sched_out.is_empty:
-                result = self.executor.execute_model(sched_out, non_block=self.async_scheduling)
+                result = self.executor.execute_model(
+                    sched_out, non_block=self.max_steps_in_flight > 1)
                 self.batch_queue.append((result, sched_out))
                 scheduled = True
             elif not self.batch_queue:
@@ -120,7 +122,7 @@ class EngineCore:
     def _finish_oldest_step(self) -> list[EngineCoreOutput]:
         result, sched_out = self.batch_queue.popleft()
         try:
-            runner_out = result.result() if isinstance(result, Future) else result
+            runner_out = result if isinstance(result, ModelRunnerOutput) else result.result()
         except Exception as e:   # the step is lost: no state can be trusted after it
             raise EngineDeadError(f"a model step failed: {e!r}") from e
         try:
@@ -187,7 +189,7 @@ class EngineCore:
         (delayed frees): until then they stay held."""
         while self.scheduler.num_kv_transfers():
             sched_out = self.scheduler.poll_kv_loads()
-            result = self.executor.execute_model(sched_out, non_block=self.async_scheduling)
+            result = self.executor.execute_model(sched_out, non_block=self.max_steps_in_flight > 1)
             self.batch_queue.append((result, sched_out))
             self.drain()   # the one path that accounts for a step (and wraps its failures)
 

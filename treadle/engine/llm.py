@@ -35,6 +35,16 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the workers (worker processes with the `mp` executor). Idempotent."""
+        self.engine.core.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

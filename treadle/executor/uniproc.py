@@ -40,6 +40,9 @@ class UniProcExecutor:
             return [self._thread.submit(fn, *args, **(kwargs or {})).result()]
         return [fn(*args, **(kwargs or {}))]
 
+    def check_health(self) -> None:
+        """Nothing to check: the worker lives in this process."""
+
     def shutdown(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from treadle.attention.torch_backend import AttentionMetadata, TorchAttention
+from treadle.distributed.parallel_state import ParallelContext
 from treadle.models import linear
 from treadle.models.linear import Linear
+from treadle.models.parallel import MissingLayer, WeightSharder, embedding, row_linear
 
 logger = logging.getLogger(__name__)
 
@@ -103,16 +105,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     native = False   # RoPE in place by the fused C++ op
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 ctx: ParallelContext) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        # This rank's heads (all of them with one rank); KV heads are replicated when fewer.
+        self.num_heads = total_heads // ctx.tp_size
+        self.num_kv_heads = max(1, total_kv_heads // ctx.tp_size)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # One fused GEMM for q, k and v.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, o_bias, ctx)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
@@ -142,12 +148,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     native = False   # SiLU-and-mul by the fused C++ op
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, ctx: ParallelContext) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
+        self.intermediate = config.intermediate_size // ctx.tp_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.down_proj = row_linear(self.intermediate, config.hidden_size, bias, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -157,12 +163,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 ctx: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm)
+        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, ctx)
 
     def forward(self, h, cos, sin, kv_cache, meta):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
@@ -170,12 +177,18 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int) -> None:
+    """A pipeline stage holds only its layers; the first stage embeds, the last normalises."""
+
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int,
+                 ctx: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layer_range = ctx.layer_range(config.num_hidden_layers)
+        self.embed_tokens = (embedding(config.vocab_size, config.hidden_size, ctx)
+                             if ctx.is_first_stage else None)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm, ctx) if i in self.layer_range
+            else MissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if ctx.is_last_stage else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
 
@@ -192,39 +205,48 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
+        self.ctx = ctx = ctx or ParallelContext()
         qkv_bias, o_bias = self.biases(config)
-        self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions)
+        self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
-        if self.tie_word_embeddings:
+        # A tied head is the embedding, unless the embedding lives on another stage: then the
+        # last stage loads its own copy of it.
+        tied_head_here = self.tie_word_embeddings and ctx.is_last_stage and not ctx.is_first_stage
+        if (self.tie_word_embeddings and not tied_head_here) or not ctx.is_last_stage:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size // ctx.tp_size, bias=False)
+        self.sharder = WeightSharder(config, ctx, self.model.rotary.head_dim, tied_head_here)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Flat batch [T] -> final hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat batch [T] -> this stage's output [T, hidden]: the final hidden states on the
+        last stage, else what the next stage takes (`hidden` is the previous stage's)."""
+        h = self.model.embed_tokens(input_ids) if self.ctx.is_first_stage else hidden
         cos, sin = self.model.rotary(positions, h.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.model.norm(h)
+        first = self.model.layer_range.start
+        for i in self.model.layer_range:
+            h = self.model.layers[i](h, cos, sin, kv_caches[i - first], meta)
+        return self.model.norm(h) if self.ctx.is_last_stage else h
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear.linear(hidden, self._head_weight(), None, self._packed_head).float()
+        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head)
+        return self.ctx.all_gather_last_dim(logits).float()
 
     def pack_weights(self) -> None:
         """Pack the GEMM weights for the device's fastest kernel (see models/linear.py).
         `load_weights` packs again by itself once the model is packed."""
-        device = self.model.embed_tokens.weight.device
+        device = next(self.parameters()).device
         linear.pack_weights(self, device)
         self._packed_head = None
         if linear.packing_supported(device):
@@ -246,8 +268,8 @@ class LlamaForCausalLM(nn.Module):
     # -- weights ------------------------------------------------------------------
     def _fused_target(self, name: str) -> tuple[str, int, int] | None:
         """Map a transformers q/k/v or gate/up name to (fused param name, row offset, rows)."""
-        attn = self.model.layers[0].self_attn
-        mlp = self.model.layers[0].mlp
+        first = self.model.layers[self.model.layer_range.start]
+        attn, mlp = first.self_attn, first.mlp
         parts = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, attn.q_size),
             "self_attn.k_proj": ("self_attn.qkv_proj", attn.q_size, attn.kv_size),
@@ -275,10 +297,17 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         covered: set[str] = set()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             if "rotary_emb.inv_freq" in name:
                 continue
+            if not self.sharder.owns(name):
+                loaded.add(name)   # another pipeline stage's
+                continue
+            if self.lm_head is not None and name == "model.embed_tokens.weight" \
+                    and self.model.embed_tokens is None:
+                name = "lm_head.weight"   # the last stage's copy of a tied embedding
+            tensor = self.sharder.shard(name, tensor)
             fused = self._fused_target(name)
             if fused is not None:
                 dst, offset, rows = fused
@@ -309,11 +338,12 @@ class LlamaForCausalLM(nn.Module):
     def _check_complete(self, covered: set[str]) -> None:
         missing = []
         for name, param in self.named_parameters():
+            first = self.model.layers[self.model.layer_range.start]
             if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                attn = self.model.layers[0].self_attn
+                attn = first.self_attn
                 need = [0, attn.q_size, attn.q_size + attn.kv_size]
             elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
-                need = [0, self.model.layers[0].mlp.intermediate]
+                need = [0, first.mlp.intermediate]
             else:
                 if name not in covered:
                     missing.append(name)

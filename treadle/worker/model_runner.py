@@ -10,13 +10,16 @@ import numpy as np
 import torch
 
 from treadle.attention.torch_backend import GatherBuffer, build_metadata
-from treadle.config import TreadleConfig
+from treadle.config import TreadleConfig, max_steps_in_flight
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from treadle.distributed.parallel_state import ParallelContext
+from treadle.distributed.pipeline import StageLink
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.request_state import RequestSlots
+from treadle.worker.sampled_inbox import SampledInbox
 from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
 from treadle.worker.spec_decode.ngram import NgramProposer
 
@@ -24,8 +27,16 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: TreadleConfig) -> None:
+    def __init__(self, config: TreadleConfig, ctx: ParallelContext | None = None) -> None:
         self.config = config
+        self.ctx = ctx = ctx or ParallelContext()
+        self.layers = ctx.layer_range(config.model.num_layers)
+        self.num_kv_heads = max(1, config.model.num_kv_heads // ctx.tp_size)
+        # With pipeline stages: the traffic between them, and (before the last stage) the
+        # tokens the last stage sampled, which come back later.
+        self.link: StageLink | None = None
+        self.inbox: SampledInbox | None = None
+        self.step = 0   # steps run so far; the same count on every rank
         self.num_blocks = 0
         self._weights_discarded = False   # by sleep(level=2), until a full load
         self.device = torch.device(config.device)
@@ -50,7 +61,7 @@ class ModelRunner:
         # Built without initial values: the strict load below sets every parameter, so a
         # random init would be wasted (about a second of start-up for SmolLM2).
         with torch.device("meta"):
-            model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len)
+            model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len, ctx=self.ctx)
         model.to_empty(device=self.device)
         model.load_weights(iter_hf_weights(cfg.model))
         self.model = model.to(dtype=self.dtype).eval()
@@ -60,6 +71,10 @@ class ModelRunner:
         self.model.pack_weights()
         if self.native_kernels:
             self.model.use_cpu_kernels()
+        if self.ctx.pp_size > 1:
+            self.link = StageLink(self.ctx, cfg.hf_config.hidden_size, self.dtype, self.device)
+            if not self.ctx.is_last_stage:
+                self.inbox = SampledInbox(self.link, max_steps_in_flight(self.config))
         logger.info("loaded %s (%s) in %.1fs", cfg.model, model_cls.__name__,
                     time.perf_counter() - start)
 
@@ -71,13 +86,19 @@ class ModelRunner:
         self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
                                   max_blocks_per_req)
 
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block here: this stage's layers, this rank's KV heads."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return (2 * len(self.layers) * self.block_size * self.num_kv_heads
+                * self.config.model.head_dim * elem)
+
     def _allocate_kv_cache(self) -> None:
         cfg = self.config.model
-        shape = (2, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # Left uninitialised (zeroing gigabytes up front costs seconds); each block is zeroed
         # when first handed out, since masked-out padding must be finite (0 * NaN = NaN).
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(cfg.num_layers)]
+                          for _ in self.layers]
         self._block_zeroed = np.zeros(self.num_blocks, dtype=bool)
         self._zero_blocks([0])  # the null block pads every block table
         if self.connector is not None:
@@ -99,7 +120,7 @@ class ModelRunner:
             slots.remove(rid)
         new_blocks: list[int] = []
         for new in so.scheduled_new_reqs:
-            slots.add(new)
+            slots.add(new, self.step)
             new_blocks += new.block_ids
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
@@ -113,6 +134,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.step += 1
         self._update_slots(so)
         if self.connector is None:
             return self._execute(so) if so.total_num_scheduled_tokens else ModelRunnerOutput.empty()
@@ -153,6 +175,10 @@ class ModelRunner:
                 n = int(slots.num_tokens[slot])
                 slots.token_ids[slot, n:n + len(d)] = d
 
+        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
+        ends = ctx + q_lens
+        if self.inbox is not None:   # tokens this step reads may still be on their way back
+            self.inbox.receive_for(self.step, slots, idx, ends - num_drafts)
         total = int(q_lens.sum())
         starts = np.cumsum(q_lens) - q_lens
         positions = np.arange(total) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
@@ -161,11 +187,8 @@ class ModelRunner:
         meta = build_metadata(q_lens, ctx, positions, slots.block_table[idx], self.block_size, self.device,
                               self.gather_buffer, self.native_kernels)
 
-        hidden = self.model(torch.from_numpy(input_ids).to(self.device),
-                            torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, meta)
 
-        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
-        ends = ctx + q_lens
         # Who samples is the scheduler's decision; the runner obeys it. A request samples
         # (1 + k tokens with k drafts) when its chunk reaches its last known token.
         samples = np.array([rid in so.num_in_flight_tokens for rid in req_ids], dtype=bool)
@@ -174,6 +197,11 @@ class ModelRunner:
             f"the scheduler's sampling requests {sorted(so.num_in_flight_tokens)} disagree with "
             f"the runner's token counts for {[r for r, m in zip(req_ids, samples != reaches_end) if m]}")
         sampled: list[list[int]] = [[] for _ in req_ids]
+        if not self.ctx.is_last_stage:
+            # The same bookkeeping as the last stage, which samples and sends the tokens back.
+            slots.num_computed_tokens[idx] = ends
+            self.inbox.expect(self.step, [req_ids[r] for r in np.flatnonzero(samples)])
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if samples.any():
             rows = np.flatnonzero(samples)
@@ -189,6 +217,8 @@ class ModelRunner:
                     logprobs[req_ids[r]] = lps
                 # Rejected drafts were computed but are not part of the sequence.
                 ends[r] -= num_drafts[r] - (len(tokens) - 1)
+            if self.link is not None:
+                self.link.send_sampled([t for r in rows for t in sampled[r]])
         slots.num_computed_tokens[idx] = ends
 
         draft_token_ids: dict[str, list[int]] = {}
@@ -201,6 +231,19 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(req_ids, idx, starts, q_lens, ctx, hidden)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, draft_token_ids=draft_token_ids)
+
+    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, meta) -> torch.Tensor:
+        """This stage's part of the model; hidden states come from the stage before and go to
+        the stage after."""
+        hidden_in = None
+        if self.link is not None and not self.ctx.is_first_stage:
+            hidden_in = self.link.recv_hidden(len(positions))
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device),
+                            torch.from_numpy(positions).to(self.device), self.kv_caches, meta,
+                            hidden_in)
+        if self.link is not None and not self.ctx.is_last_stage:
+            self.link.send_hidden(hidden)
+        return hidden
 
     def _sample_and_verify(self, hidden: torch.Tensor, slot_ids: np.ndarray, first_rows: np.ndarray,
                            drafts: list[list[int]]

@@ -25,10 +25,11 @@ class RequestSlots:
         self.seeds = [0] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.added_at_step = np.zeros(max_num_reqs, dtype=np.int64)   # when the tenant came
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(self, new: NewRequestData) -> int:
+    def add(self, new: NewRequestData, step: int = 0) -> int:
         assert new.req_id not in self.slot_of, f"{new.req_id} already has a slot"
         slot = self._free.pop()
         n = len(new.token_ids)
@@ -44,6 +45,7 @@ class RequestSlots:
         self.seeds[slot] = new.generator_seed
         self.eos_token_ids[slot] = new.eos_token_id
         self.req_ids[slot] = new.req_id
+        self.added_at_step[slot] = step
         self.slot_of[new.req_id] = slot
         return slot
 

@@ -9,28 +9,37 @@ import torch
 
 from treadle.config import TreadleConfig, num_blocks_from_budget
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.distributed.parallel_state import ParallelContext
 from treadle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: TreadleConfig) -> None:
+    def __init__(self, config: TreadleConfig, ctx: ParallelContext | None = None) -> None:
         self.config = config
+        self.ctx = ctx or ParallelContext()
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, self.ctx)
 
     def load_model(self) -> None:
         self.runner.load_model()
 
     def determine_num_blocks(self) -> int:
-        return num_blocks_from_budget(self.config)
+        return num_blocks_from_budget(self.config, self.runner.kv_block_bytes())
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def pipeline_stats(self) -> dict[str, int]:
+        """Sampled-token messages between pipeline stages so far (zero with one stage)."""
+        link = self.runner.link
+        return {"rank": self.ctx.rank,
+                "sampled_sends": link.num_sampled_sends if link is not None else 0,
+                "sampled_recvs": link.num_sampled_recvs if link is not None else 0}
 
     # -- RL controls -----------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

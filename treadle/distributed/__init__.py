@@ -1,0 +1,1 @@
+"""Worker groups: ranks, tensor-parallel collectives, pipeline traffic."""

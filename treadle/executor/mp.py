@@ -1,0 +1,200 @@
+"""Executor over worker processes on this host, one per rank (`distributed_executor_backend="mp"`).
+
+Every call goes to every worker, which run them in the order sent (executor/mp_worker.py has the
+wire). A step's result comes back from one rank, the last stage's first shard; the other ranks
+report only failures, so no rank waits on the engine and the stages stay busy. A worker that
+dies or fails ends the executor: the error names the rank, and every later call fails at once.
+
+The ranks meet through torch.distributed's store, hosted here, so a port already in use is an
+error in this process before anything is spawned.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import torch.distributed as dist
+import zmq
+
+from treadle.config import TreadleConfig
+from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.distributed.parallel_state import INIT_TIMEOUT, output_rank
+from treadle.engine.errors import EngineDeadError
+from treadle.executor.mp_worker import SHUTDOWN, RemoteError, dumps, worker_main
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+class WorkerFailedError(EngineDeadError):
+    """A worker process died or failed a step: the worker group is gone."""
+
+
+class PendingStep:
+    """A step sent to the workers; result() waits for it."""
+
+    def __init__(self, executor: "MultiprocExecutor", call_id: int) -> None:
+        self._executor, self._call_id = executor, call_id
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._wait(self._call_id, [self._executor.output_rank])[0]
+
+
+class MultiprocExecutor:
+    def __init__(self, config: TreadleConfig) -> None:
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.output_rank = output_rank(parallel)
+        self._dead: str | None = None
+        self._next_call = 1
+        self._replies: dict[tuple[int, int], tuple[bool, Any]] = {}
+        # Control calls waiting for replies: an error in one is the caller's (bad weights), while
+        # an error in a step, or in start-up, ends the executor.
+        self._control_calls: set[int] = set()
+        self._zmq = zmq.Context()
+        self._sock = self._zmq.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._ipc_dir = tempfile.mkdtemp(prefix="treadle-rpc-")
+        self._sock.bind(f"ipc://{self._ipc_dir}/engine")
+        self.procs: list[multiprocessing.Process] = []
+        try:
+            self._store = _host_store(parallel.master_port, self.world_size)
+            # Each worker gets an equal share of the cores, unless OMP_NUM_THREADS says.
+            threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(
+                1, (os.cpu_count() or 1) // self.world_size)
+            spawn = multiprocessing.get_context("spawn")
+            for rank in range(self.world_size):
+                proc = spawn.Process(
+                    target=worker_main, name=f"treadle-worker-{rank}", daemon=True,
+                    args=(rank, config, f"ipc://{self._ipc_dir}/engine", self._store.port,
+                          os.getpid(), threads))
+                proc.start()
+                self.procs.append(proc)
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
+            for proc in self.procs:   # a process's sentinel becomes readable when it ends
+                self._poller.register(proc.sentinel, zmq.POLLIN)
+            self.num_blocks = min(self._wait(0, range(self.world_size), starting=True))
+            self.collective_rpc("init_kv_cache", (self.num_blocks,))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("mp executor: %d workers (pp=%d, tp=%d), %d threads each", self.world_size,
+                    parallel.pipeline_parallel_size, parallel.tensor_parallel_size, threads)
+
+    # -- calls -------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | PendingStep:
+        call_id = self._send("execute_model", (scheduler_output,), {},
+                             reply_from={self.output_rank})
+        pending = PendingStep(self, call_id)
+        return pending if non_block else pending.result()
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run `method` on every worker (a Worker method name, or a module-level callable taking
+        the worker); returns the results in rank order."""
+        call_id = self._send(method, args, kwargs or {}, reply_from=set(range(self.world_size)))
+        self._control_calls.add(call_id)
+        try:
+            return self._wait(call_id, range(self.world_size))
+        finally:
+            self._control_calls.discard(call_id)
+
+    def _send(self, method: str | Callable, args: tuple, kwargs: dict,
+              reply_from: set[int]) -> int:
+        self._check_alive()
+        call_id, self._next_call = self._next_call, self._next_call + 1
+        for rank in range(self.world_size):
+            message = dumps((call_id, method, args, kwargs, rank in reply_from))
+            self._sock.send_multipart([str(rank).encode(), message])
+        return call_id
+
+    def _wait(self, call_id: int, ranks, starting: bool = False) -> list[Any]:
+        """The replies of `ranks` to a call. Any failure, from any rank, ends the executor."""
+        ranks = list(ranks)
+        while True:
+            self._check_alive()
+            if all((call_id, r) in self._replies for r in ranks):
+                break
+            self._poller.poll()
+            while self._sock.poll(0):   # replies first: a worker reports why before it exits
+                self._take_reply(starting)
+            self._check_processes()
+        results = []
+        for rank in ranks:
+            ok, value = self._replies.pop((call_id, rank))
+            if not ok:   # a caller's error in a control call: the workers are fine
+                raise value.to_exception()
+            results.append(value)
+        return results
+
+    def _take_reply(self, starting: bool) -> None:
+        _, message = self._sock.recv_multipart()
+        call_id, rank, ok, value = pickle.loads(message)
+        if not ok and call_id not in self._control_calls:
+            what = "failed to start" if starting else "failed a step"
+            self._fail(f"worker rank {rank} {what}: {value.kind}: {value.message}", value)
+        self._replies[(call_id, rank)] = (ok, value)
+
+    def _check_processes(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is not None:
+                self._fail(f"worker rank {rank} died (exit code {proc.exitcode})")
+
+    def _fail(self, reason: str, error: RemoteError | None = None) -> None:
+        logger.error("%s%s", reason, f"\n{error.traceback}" if error is not None else "")
+        self._dead = reason
+        self._kill_workers()
+        raise WorkerFailedError(reason)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise WorkerFailedError(self._dead)
+
+    # -- shutdown ----------------------------------------------------------------------
+    def check_health(self) -> None:
+        self._check_alive()
+        self._check_processes()
+
+    def shutdown(self) -> None:
+        """Ask the workers to exit, kill any that do not, and free the sockets. Idempotent."""
+        if self._sock.closed:
+            return
+        if self._dead is None and self.procs and all(p.is_alive() for p in self.procs):
+            try:
+                for rank in range(self.world_size):
+                    self._sock.send_multipart(
+                        [str(rank).encode(), dumps((-1, SHUTDOWN, (), {}, True))], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for proc in self.procs:
+            proc.join(SHUTDOWN_GRACE_S)
+        self._kill_workers()
+        self._dead = self._dead or "the executor was shut down"
+        self._sock.close(0)
+        self._zmq.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _kill_workers(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(SHUTDOWN_GRACE_S)
+
+
+def _host_store(port: int | None, world_size: int) -> dist.TCPStore:
+    try:
+        return dist.TCPStore("127.0.0.1", port or 0, world_size, is_master=True,
+                             wait_for_workers=False, timeout=INIT_TIMEOUT)
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(f"cannot host torch.distributed's store on 127.0.0.1:{port}: {e}"
+                           " (is the port in use? pick another master_port)") from None

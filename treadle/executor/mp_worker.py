@@ -1,0 +1,124 @@
+"""A worker process of the `mp` executor: one rank, its model shard and KV cache slice.
+
+The wire, over ZeroMQ (a DEALER here, the engine's ROUTER there), one pickled message per frame:
+  engine -> worker: (call_id, method, args, kwargs, reply): run a Worker method (or a callable
+                    taking the worker); `reply` is False for steps on ranks whose output the
+                    engine does not read (only failures are reported then);
+  worker -> engine: (call_id, rank, ok, result): the result, or a RemoteError.
+Call 0 is start-up: every rank reports its KV block count, or why it could not start.
+
+A worker exits when told to, and on its own when its parent is gone (a parent killed with
+SIGKILL runs no clean-up), so no worker outlives the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pickle
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from treadle.config import TreadleConfig
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+PARENT_POLL_S = 0.5
+
+
+@dataclass
+class RemoteError:
+    """An exception raised in a worker, as the engine re-raises it."""
+
+    rank: int
+    kind: str        # the exception's class name
+    message: str
+    traceback: str
+
+    def to_exception(self) -> Exception:
+        # Caller errors (bad weights, bad arguments) keep their type, so they stay a 400.
+        cls = {"ValueError": ValueError, "TypeError": TypeError,
+               "KeyError": KeyError}.get(self.kind, RuntimeError)
+        return cls(f"worker rank {self.rank}: {self.kind}: {self.message}")
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def worker_main(rank: int, config: TreadleConfig, address: str, store_port: int,
+                parent_pid: int, num_threads: int) -> None:
+    """Entry point of a spawned worker process."""
+    _exit_with_parent(parent_pid)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(num_threads)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, str(rank).encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(address)
+    try:
+        worker = _start(rank, config, store_port)
+        sock.send(dumps((0, rank, True, worker.determine_num_blocks())))
+    except BaseException as e:   # noqa: BLE001 - any failure to start is reported, then fatal
+        sock.send(dumps((0, rank, False, _remote_error(rank, e))))
+        sock.close()
+        context.term()
+        os._exit(1)
+    _serve(rank, worker, sock)
+    sock.close()
+    context.term()
+
+
+def _start(rank: int, config: TreadleConfig, store_port: int):
+    from treadle.distributed.parallel_state import init_parallel
+    from treadle.worker.worker import Worker
+
+    ctx = init_parallel(config.parallel, rank, "127.0.0.1", store_port, config.device)
+    worker = Worker(config, ctx)
+    worker.load_model()
+    return worker
+
+
+def _serve(rank: int, worker, sock: zmq.Socket) -> None:
+    while True:
+        call_id, method, args, kwargs, reply = pickle.loads(sock.recv())
+        if method == SHUTDOWN:
+            sock.send(dumps((call_id, rank, True, None)))
+            return
+        fn = (getattr(worker, method) if isinstance(method, str)
+              else functools.partial(method, worker))
+        try:
+            result, ok = fn(*args, **kwargs), True
+        except Exception as e:   # reported to the engine, which decides what it means
+            logger.exception("call %s failed", getattr(method, "__name__", method))
+            result, ok, reply = _remote_error(rank, e), False, True
+        if reply:
+            try:
+                sock.send(dumps((call_id, rank, ok, result)))
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                sock.send(dumps((call_id, rank, False, _remote_error(rank, e))))
+
+
+def _remote_error(rank: int, e: BaseException) -> RemoteError:
+    return RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit as soon as the parent is gone: this process is then re-parented."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="treadle-parent-watch", daemon=True).start()

@@ -206,9 +206,13 @@ class AsyncLLM:
             self._pause_mode = None
 
     async def check_health(self) -> None:
-        """Raises EngineDeadError once the engine core has failed."""
+        """Raises EngineDeadError once the engine core has failed, or a worker has died."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine core failed: {self._dead!r}")
+        try:
+            await self._call(self.core.check_health)
+        except RuntimeError as e:   # the core thread stopped meanwhile
+            raise EngineDeadError(str(e)) from e
 
     async def get_stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage, prefix-cache, preemption and spec-decode counters."""

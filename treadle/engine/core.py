@@ -243,6 +243,16 @@ class EngineCore:
         self.executor.collective_rpc("wake_up", (tags,))
         self.asleep -= set(tags)
 
+    def error_outputs(self, reason: str) -> list[EngineCoreOutput]:
+        """Once the engine has failed: a final output (finish_reason "error", the reason as its
+        stop_reason) for every request it had not finished."""
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
+                                 stop_reason=reason) for rid in self.scheduler.requests]
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if a worker has died, even while the engine is idle."""
+        self.executor.check_health()
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 

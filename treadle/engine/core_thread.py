@@ -31,6 +31,7 @@ class EngineCoreThread:
         self._calls: queue.SimpleQueue[tuple[Callable, tuple, dict, Future] | None] = queue.SimpleQueue()
         self._idle_waiters: list[Future] = []
         self._stopping = False
+        self._failure: BaseException | None = None   # what killed the core, if anything did
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="treadle-engine-core", daemon=True)
         self._thread.start()
@@ -39,7 +40,9 @@ class EngineCoreThread:
         """Run fn(*args, **kwargs) on the engine thread, between two steps."""
         future: Future = Future()
         with self._lock:   # not between the thread's last drain of the queue and its exit
-            if self._stopping:
+            if self._failure is not None:
+                future.set_exception(EngineDeadError(f"the engine core failed: {self._failure}"))
+            elif self._stopping:
                 future.set_exception(RuntimeError("the engine core has stopped"))
             else:
                 self._calls.put((fn, args, kwargs, future))
@@ -79,6 +82,9 @@ class EngineCoreThread:
             logger.exception("engine core failed")
             with self._lock:
                 self._stopping = True
+                self._failure = exc
+            # Every request still in the engine ends with an error that says why.
+            self._on_outputs(self.core.error_outputs(str(exc)), self.core.weight_version)
             self._on_error(exc)
             self._fail_waiting_calls(f"the engine core failed: {exc!r}")
         finally:

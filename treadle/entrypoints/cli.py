@@ -22,6 +22,10 @@ _ENGINE_HELP = {
     "scheduling_policy": "fcfs | priority",
     "seed": "engine seed for requests that bring none",
     "device": "cpu | cuda (default: cuda when available)",
+    "pipeline_parallel_size": "pipeline stages (worker processes split the layers)",
+    "tensor_parallel_size": "tensor-parallel ranks per stage (they split the heads)",
+    "distributed_executor_backend": "uni | mp (default: uni with one worker, else mp)",
+    "master_port": "torch.distributed rendezvous port for mp workers (default: a free one)",
 }
 
 
@@ -33,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     defaults = EngineArgs()
     for name, text in _ENGINE_HELP.items():
         default = getattr(defaults, name)
-        kind = str if name in ("dtype", "scheduling_policy", "device") else int
+        kind = (str if name in ("dtype", "scheduling_policy", "device",
+                                "distributed_executor_backend") else int)
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                            help=f"{text} [default: {default}]")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",

@@ -133,7 +133,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
     async def health() -> Response:
         if serving.shutting_down:
             return error_response(503, "the server is shutting down")
-        await engine.check_health()   # EngineDeadError -> 500
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            return error_response(503, f"the engine is unhealthy: {e}")
         return Response(status_code=200)
 
     @app.get("/version")

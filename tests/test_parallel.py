@@ -1,0 +1,306 @@
+"""Worker processes: pipeline and tensor parallelism over gloo, checked token by token against
+transformers, and what happens when a worker fails.
+
+Every engine here spawns real worker processes (the `mp` executor), each with one thread. An
+autouse fixture checks that no child process outlives a test, passing or failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.test_correctness import TEXTS
+from treadle import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
+from treadle.engine.llm_engine import LLMEngine
+from treadle.models.loader import load_tokenizer
+
+# A budget of 16 tokens cuts every prompt into several chunks, mixed with running decodes;
+# 14 blocks of 16 cannot hold five requests at full length, so some are preempted.
+TINY_ARGS = {"max_num_batched_tokens": 16, "num_kv_blocks": 14, "max_num_seqs": 5}
+MAX_TOKENS = 24
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def no_worker_left():
+    yield
+    deadline = time.monotonic() + 10
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not children(), f"processes left running: {[p.cmdline() for p in children()]}"
+
+
+def children() -> list[psutil.Process]:
+    """Child processes still running, but multiprocessing's resource tracker, which lives as
+    long as this process and exits with it."""
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if running(p.pid) and "resource_tracker" not in " ".join(p.cmdline()):
+                left.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def token_ids(path: str, texts=TEXTS) -> list[list[int]]:
+    tok = load_tokenizer(path)
+    return [tok.encode(t) for t in texts]
+
+
+def assert_exact(outputs, prompts, ref, max_tokens: int = MAX_TOKENS) -> None:
+    for ids, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == ref.greedy(ids, max_tokens), ids
+
+
+# -- configuration -----------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    ({"tensor_parallel_size": 2}, "must divide the model's 9 attention heads"),
+    ({"pipeline_parallel_size": 31}, "exceeds the model's 30 layers"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+    ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "world size 2 needs 'mp'"),
+    ({"distributed_executor_backend": "ray"}, "'ray' is not built yet"),
+    ({"distributed_executor_backend": "threads"}, "must be one of uni, mp"),
+    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram"}},
+     "speculative decoding with pipeline_parallel_size > 1"),
+    ({"pipeline_parallel_size": 2, "master_port": 70000}, "master_port must be in 1..65535"),
+])
+def test_a_split_the_model_cannot_take_is_refused_before_any_process(args, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**args).create_config()
+
+
+# -- exactness -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch, pp, tp, async_scheduling", [
+    ("llama", 2, 1, False),    # tied head: the last stage holds its own copy of the embedding
+    ("qwen2", 1, 2, False),    # q/k/v biases, one KV head per rank
+    ("qwen3", 2, 1, True),     # q/k norms; the token ledger across three steps in flight
+    ("llama", 1, 1, True),     # the mp executor with one worker
+])
+def test_tiny_models_match_transformers(tiny_checkpoints, reference, arch, pp, tp, async_scheduling):
+    path = tiny_checkpoints[arch]
+    prompts = token_ids(path)
+    with LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+             distributed_executor_backend="mp", async_scheduling=async_scheduling,
+             **TINY_ARGS) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+        assert llm.get_stats().num_preemptions > 0   # the budget forced some
+    assert_exact(outputs, prompts, reference(path))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_smollm2_two_stages_match_transformers(smollm2_path, reference, async_scheduling):
+    prompts = token_ids(smollm2_path)
+    with LLM(smollm2_path, pipeline_parallel_size=2, async_scheduling=async_scheduling,
+             max_num_batched_tokens=24, num_kv_blocks=64) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16),
+                               use_tqdm=False)
+    assert_exact(outputs, prompts, reference(smollm2_path), 16)
+
+
+@pytest.mark.slow
+def test_smollm2_three_tensor_shards_match_transformers(smollm2_path, reference):
+    """SmolLM2's 9 heads and 3 KV heads split three ways (two ways is refused above)."""
+    prompts = token_ids(smollm2_path)[:3]
+    with LLM(smollm2_path, tensor_parallel_size=3, max_num_batched_tokens=24,
+             num_kv_blocks=64) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(12),
+                               use_tqdm=False)
+    assert_exact(outputs, prompts, reference(smollm2_path), 12)
+
+
+# -- invariant 4: no stage waits for tokens that are not coming ----------------------------------
+def test_all_chunk_steps_send_no_sampled_tokens(tiny_checkpoints, reference):
+    """The seed scenario: two stages, async scheduling, only long prompts, each cut into many
+    chunks. Steps in which every request is a non-final chunk sample nothing, and the stages
+    send no sampled-token message for them: the count equals the steps that sampled."""
+    path = tiny_checkpoints["llama"]
+    tok = load_tokenizer(path)
+    prompts = [tok.encode((TEXTS[3] + " ") * 8)[:300 + 7 * i] for i in range(4)]
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        path, pipeline_parallel_size=2, async_scheduling=True, max_num_batched_tokens=32,
+        num_kv_blocks=128, enable_prefix_caching=False))   # no hits: every token is computed
+    sampling_steps = all_steps = 0
+    schedule = engine.core.scheduler.schedule
+
+    def counting_schedule():
+        nonlocal sampling_steps, all_steps
+        out = schedule()
+        all_steps += out.total_num_scheduled_tokens > 0
+        sampling_steps += bool(out.num_in_flight_tokens)
+        return out
+
+    engine.core.scheduler.schedule = counting_schedule
+    finals = {}
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, greedy(2))
+        done = threading.Event()
+
+        def run():
+            while engine.has_unfinished_requests():
+                finals.update((o.request_id, o) for o in engine.step() if o.finished)
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert done.wait(120), "the pipeline hung"
+        stats = engine.core.collective_rpc("pipeline_stats")
+    finally:
+        engine.core.shutdown()
+    # 1,124 prompt tokens in chunks of 32: about 35 steps, of which only those holding a final
+    # chunk or a decode sample.
+    assert all_steps - sampling_steps >= 25
+    first, last = stats
+    assert last["sampled_sends"] == sampling_steps
+    assert first["sampled_recvs"] <= sampling_steps and first["sampled_sends"] == 0
+    assert_exact([finals[str(i)] for i in range(4)], prompts, reference(path), 2)
+
+
+# -- RL controls reach every worker -----------------------------------------------------------
+@pytest.mark.parametrize("pp, tp", [(2, 1), (1, 2)])
+def test_pause_keep_with_cache_clear_and_reset_stay_exact(tiny_checkpoints, reference, pp, tp):
+    path = tiny_checkpoints["qwen2"]
+    prompts = token_ids(path)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        path, pipeline_parallel_size=pp, tensor_parallel_size=tp, async_scheduling=True,
+        max_num_batched_tokens=32, num_kv_blocks=64))
+    finals = {}
+
+    def steps(n: int | None = None) -> None:
+        while engine.has_unfinished_requests() and (n is None or n > 0):
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+            n = None if n is None else n - 1
+
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, greedy())
+        steps(6)
+        engine.core.pause(mode="keep", clear_cache=True)
+        assert engine.core.scheduler.num_in_flight_tokens() == 0
+        engine.core.resume()
+        steps(8)
+        assert engine.core.reset_prefix_cache(reset_running_requests=True)
+        steps()
+    finally:
+        engine.core.shutdown()
+    assert_exact([finals[str(i)] for i in range(len(prompts))], prompts, reference(path))
+
+
+# -- faults ----------------------------------------------------------------------------------------
+def test_a_killed_worker_ends_every_request_with_an_error(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    engine = AsyncLLM(path, pipeline_parallel_size=2, num_kv_blocks=64)
+    pids = [p.pid for p in engine.core.executor.procs]
+
+    async def body():
+        async def one(rid: str):
+            final = None
+            async for out in engine.generate({"prompt_token_ids": [1, 2, 3, 4]},
+                                             greedy(200), rid):
+                final = out
+                if rid == "0" and len(out.outputs[0].token_ids) == 5 and not out.finished:
+                    os.kill(pids[1], signal.SIGKILL)
+            return final
+
+        start = time.monotonic()
+        finals = await asyncio.wait_for(asyncio.gather(one("0"), one("1")), 30)
+        elapsed = time.monotonic() - start
+        for final in finals:
+            assert final.finished and final.outputs[0].finish_reason == "error"
+            assert "worker rank 1 died" in str(final.outputs[0].stop_reason)
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            await engine.check_health()
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("more", greedy(), "2"):
+                pass
+        return elapsed
+
+    try:
+        assert asyncio.run(body()) < 20
+    finally:
+        engine.shutdown()
+    assert not any(running(pid) for pid in pids)
+
+
+def fail_the_forward_on_rank_1(worker) -> None:
+    """Given to collective_rpc: rank 1's next forward pass raises."""
+    if worker.ctx.rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected forward failure")
+        worker.runner.model.forward = broken
+
+
+def test_an_exception_in_a_forward_is_an_engine_error_naming_the_rank(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    with LLM(path, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        llm.collective_rpc(fail_the_forward_on_rank_1)
+        with pytest.raises(EngineDeadError, match="worker rank 1 failed a step: "
+                                                  "RuntimeError: injected forward failure"):
+            llm.generate("hello", greedy(4), use_tqdm=False)
+        with pytest.raises(EngineDeadError):
+            llm.collective_rpc("pipeline_stats")
+
+
+def test_a_port_in_use_is_a_clear_start_up_error(tiny_checkpoints):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}.*port in use"):
+            LLM(tiny_checkpoints["llama"], pipeline_parallel_size=2, master_port=port)
+
+
+def test_a_worker_that_cannot_load_the_model_names_its_rank(tiny_checkpoints, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoints["llama"], broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank [01] failed to start"):
+        LLM(str(broken), pipeline_parallel_size=2)
+    assert time.monotonic() - start < 60
+
+
+def test_workers_exit_when_their_parent_is_killed(tiny_checkpoints, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from treadle import LLM
+        if __name__ == "__main__":
+            llm = LLM({tiny_checkpoints["llama"]!r}, pipeline_parallel_size=2, num_kv_blocks=32)
+            print(" ".join(str(p.pid) for p in llm.engine.core.executor.procs), flush=True)
+            time.sleep(600)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(p) for p in pids), "workers outlived their parent"
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -248,14 +248,19 @@ def test_a_sampling_request_without_a_token_is_an_engine_error(llama, prompts):
 
 
 def test_a_sampling_request_without_a_token_ends_async_streams_with_an_error(llama, prompts):
+    """The stream ends with finish_reason "error" and the reason; the engine is then dead."""
     engine = AsyncLLM(llama, async_scheduling=True)
     drop_first_sample_of(engine.core.executor.worker.runner, "r", at_step=3)
 
     async def body() -> None:
-        with pytest.raises(EngineDeadError, match="request r was scheduled to sample"):
-            async for _ in engine.generate({"prompt_token_ids": prompts[0]}, greedy(8),
+        final = None
+        async for final in engine.generate({"prompt_token_ids": prompts[0]}, greedy(8),
                                            request_id="r"):
-                pass
+            pass
+        assert final.finished and final.outputs[0].finish_reason == "error"
+        assert "request r was scheduled to sample" in final.outputs[0].stop_reason
+        with pytest.raises(EngineDeadError, match="request r was scheduled to sample"):
+            await engine.check_health()
 
     try:
         asyncio.run(asyncio.wait_for(body(), timeout=60))

@@ -20,6 +20,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from tests.test_correctness import TEXTS
 from treadle import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
@@ -94,7 +95,7 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_process(args, messa
 ])
 def test_tiny_models_match_transformers(tiny_checkpoints, reference, arch, pp, tp, async_scheduling):
     path = tiny_checkpoints[arch]
-    prompts = token_ids(path)
+    prompts = token_ids(path) + [token_ids(path, [TEXTS[3] * 3])[0][:120]]   # 8 chunks
     with LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp,
              distributed_executor_backend="mp", async_scheduling=async_scheduling,
              **TINY_ARGS) as llm:
@@ -201,6 +202,30 @@ def test_pause_keep_with_cache_clear_and_reset_stay_exact(tiny_checkpoints, refe
     assert_exact([finals[str(i)] for i in range(len(prompts))], prompts, reference(path))
 
 
+@pytest.mark.parametrize("pp, tp", [(2, 1), (1, 2)])
+def test_weight_updates_reach_every_shard_or_none(tiny_checkpoints, pp, tp):
+    """A tied embedding (the first stage's input, the last stage's head), a sharded q_proj on
+    the last stage: transformers with the same overrides is the reference. An update one rank
+    refuses changes nothing on any rank."""
+    from tests.reference import HFReference
+    from treadle.models.loader import iter_hf_weights
+
+    path = tiny_checkpoints["llama"]
+    weights = dict(iter_hf_weights(path))
+    gen = torch.Generator().manual_seed(1)
+    overrides = [(name, weights[name] + 0.05 * torch.randn(weights[name].shape, generator=gen))
+                 for name in ("model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight")]
+    prompts = token_ids(path)[:3]
+    with LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, num_kv_blocks=64) as llm:
+        assert llm.update_weights(overrides) == 2
+        bad = [("model.layers.1.mlp.up_proj.weight", weights["model.layers.0.mlp.up_proj.weight"]),
+               ("model.layers.2.mlp.down_proj.weight", torch.zeros(64, 130))]
+        with pytest.raises(ValueError, match="down_proj"):
+            llm.update_weights(bad)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert_exact(outputs, prompts, HFReference(path, overrides))
+
+
 # -- faults ----------------------------------------------------------------------------------------
 def test_a_killed_worker_ends_every_request_with_an_error(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
@@ -235,6 +260,73 @@ def test_a_killed_worker_ends_every_request_with_an_error(tiny_checkpoints):
     finally:
         engine.shutdown()
     assert not any(running(pid) for pid in pids)
+
+
+def test_serve_with_two_stages_and_a_worker_killed(tiny_checkpoints, reference, tmp_path):
+    """`treadle serve --pipeline-parallel-size 2`: exact completions through the openai SDK;
+    then a worker is killed mid-stream: the stream ends with finish_reason "error", /health
+    says 503, and the server still shuts down cleanly, leaving no worker behind."""
+    from tests.test_server import MODEL, Server, StreamReader
+
+    path = tiny_checkpoints["llama"]
+    ids = token_ids(path)[0]
+    srv = Server(path, tmp_path, "--pipeline-parallel-size", "2", "--async-scheduling")
+    try:
+        client = srv.client()
+        out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == load_tokenizer(path).decode(reference(path).greedy(ids, 16))
+        workers = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                   if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        reader = StreamReader(client, prompt=ids, max_tokens=200, temperature=0,
+                              extra_body={"ignore_eos": True})
+        reader.wait_for_chunks(3)
+        workers[1].kill()
+        _, finish_reason = reader.result(timeout=20)
+        assert finish_reason == "error"
+        status, body = srv.request("GET", "/health")
+        assert status == 503 and "worker rank" in body["error"]["message"], body
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert not any(running(p.pid) for p in workers)
+
+
+def test_a_restarted_worker_group_loses_no_request(tiny_checkpoints, reference):
+    """With max_worker_restarts=1, a worker killed mid-run is replaced: every request resumes
+    by recompute and ends exactly as transformers says. A second death ends the engine."""
+    path = tiny_checkpoints["qwen3"]
+    prompts = token_ids(path)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        path, pipeline_parallel_size=2, async_scheduling=True, max_worker_restarts=1,
+        max_num_batched_tokens=16, num_kv_blocks=64))
+    finals = {}
+
+    def step() -> None:
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, greedy())
+        for _ in range(8):
+            step()
+        first = [p.pid for p in engine.core.executor.procs]
+        os.kill(first[1], signal.SIGKILL)
+        while engine.has_unfinished_requests():
+            step()
+        assert engine.core.num_worker_restarts == 1
+        assert not {p.pid for p in engine.core.executor.procs} & set(first)
+        engine.core.scheduler.kv_cache.assert_no_leaks()
+        assert_exact([finals[str(i)] for i in range(len(prompts))], prompts, reference(path))
+
+        engine.add_request("again", {"prompt_token_ids": prompts[0]}, greedy())
+        step()
+        os.kill(engine.core.executor.procs[0].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="worker rank 0 died"):
+            while engine.has_unfinished_requests():
+                step()
+    finally:
+        engine.core.shutdown()
 
 
 def fail_the_forward_on_rank_1(worker) -> None:

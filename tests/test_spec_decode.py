@@ -186,10 +186,10 @@ def test_reused_slots_start_from_their_own_tokens(tiny_checkpoints, reference, s
     # tenant's. The same run must then fail the comparison.
     real_add = RequestSlots.add
 
-    def leaky_add(self: RequestSlots, new) -> int:
+    def leaky_add(self: RequestSlots, new, step: int = 0) -> int:
         slot = self._free[-1]
         stale = self.token_ids[slot].copy()
-        real_add(self, new)
+        real_add(self, new, step)
         self.token_ids[slot, new.num_computed_tokens:len(new.token_ids)] = \
             stale[new.num_computed_tokens:len(new.token_ids)]
         return slot

@@ -144,6 +144,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     master_port: int | None = None   # torch.distributed's rendezvous; None: a free port
+    # Times a failed worker group is replaced, its requests resumed by recompute (mp only);
+    # 0: a failure ends the engine.
+    max_worker_restarts: int = 0
 
     @property
     def world_size(self) -> int:
@@ -210,6 +213,7 @@ class EngineArgs:
     # "uni" (in this process) or "mp" (worker processes); None: uni at world size 1, else mp.
     distributed_executor_backend: str | None = None
     master_port: int | None = None
+    max_worker_restarts: int = 0
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -291,8 +295,11 @@ class EngineArgs:
                              f"{world_size} needs 'mp'")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be an integer >= 0, "
+                             f"got {self.max_worker_restarts!r}")
         return ParallelConfig(self.pipeline_parallel_size, self.tensor_parallel_size,
-                              backend, self.master_port)
+                              backend, self.master_port, self.max_worker_restarts)
 
 
 def _json_fields(name: str, spec: dict[str, Any] | str, cls: type) -> dict[str, Any]:

@@ -19,7 +19,9 @@ from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
+from treadle.engine.worker_restart import can_restart, restart_workers
 from treadle.executor import create_executor
+from treadle.executor.mp import WorkerFailedError
 from treadle.kv_transfer import KVConnectorRole, create_connector
 from treadle.request import Request, RequestStatus
 
@@ -60,6 +62,7 @@ class EngineCore:
         self.paused = False
         self.asleep: set[str] = set()     # parts put to sleep and not woken yet
         self.weight_version: Any = 0
+        self.num_worker_restarts = 0
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -103,8 +106,13 @@ class EngineCore:
                 and self.scheduler.has_unfinished_requests()):
             sched_out = self.scheduler.schedule()
             if not sched_out.is_empty:
-                result = self.executor.execute_model(
-                    sched_out, non_block=self.max_steps_in_flight > 1)
+                try:
+                    result = self.executor.execute_model(
+                        sched_out, non_block=self.max_steps_in_flight > 1)
+                except WorkerFailedError as e:
+                    self.batch_queue.append((None, sched_out))   # scheduled, and lost
+                    self._lost_workers(e)
+                    return outputs
                 self.batch_queue.append((result, sched_out))
                 scheduled = True
             elif not self.batch_queue:
@@ -123,12 +131,22 @@ class EngineCore:
         result, sched_out = self.batch_queue.popleft()
         try:
             runner_out = result if isinstance(result, ModelRunnerOutput) else result.result()
+        except WorkerFailedError as e:
+            self.batch_queue.appendleft((None, sched_out))   # lost with the others in flight
+            self._lost_workers(e)
+            return []
         except Exception as e:   # the step is lost: no state can be trusted after it
             raise EngineDeadError(f"a model step failed: {e!r}") from e
         try:
             return self.scheduler.update_from_output(sched_out, runner_out)
         except Exception as e:   # the runner broke the scheduler's contract for this step
             raise EngineDeadError(f"a model step's output was invalid: {e}") from e
+
+    def _lost_workers(self, error: WorkerFailedError) -> None:
+        """Restart the worker group if allowed (`max_worker_restarts`), else the engine is dead."""
+        if not can_restart(self):
+            raise EngineDeadError(f"a model step failed: {error!r}") from error
+        restart_workers(self, str(error))
 
     def drain(self) -> None:
         """Wait for every step in flight and account for it; its outputs go out with the next step()."""
@@ -210,6 +228,11 @@ class EngineCore:
     def _change_weights(self, worker_method: str, source: Any, weight_version: Any) -> int:
         self._check_quiet(worker_method)
         self.drain()
+        if self.config.parallel.world_size > 1:
+            # Every rank checks its part before any rank changes a weight: a refused update
+            # leaves the whole model as it was.
+            self.executor.collective_rpc("check_weights", (
+                source if isinstance(source, str) else [(n, tuple(t.shape)) for n, t in source],))
         count = self.executor.collective_rpc(worker_method, (source,))[0]
         self._after_weight_change(weight_version)
         return count

@@ -26,6 +26,7 @@ _ENGINE_HELP = {
     "tensor_parallel_size": "tensor-parallel ranks per stage (they split the heads)",
     "distributed_executor_backend": "uni | mp (default: uni with one worker, else mp)",
     "master_port": "torch.distributed rendezvous port for mp workers (default: a free one)",
+    "max_worker_restarts": "times a failed worker group is replaced, its requests resumed",
 }
 
 
@@ -250,12 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    from treadle.bench import kv_transfer, latency, serve as bench_serve, spec_decode, throughput
+    from treadle.bench import (kv_transfer, latency, parallel, serve as bench_serve, spec_decode,
+                               throughput)
     for name, module, text, takes_engine_args in (
             ("throughput", throughput, "offline throughput on a synthetic workload", True),
             ("latency", latency, "end-to-end latency of one batch", True),
             ("spec", spec_decode, "n-gram speculative decoding against plain decoding", True),
             ("kv", kv_transfer, "TTFT of a long prefix loaded from a KV store vs recomputed", True),
+            ("parallel", parallel, "mp executor step overhead; pipeline stages on long prefills",
+             True),
             ("serve", bench_serve, "drive a running server over HTTP (TTFT, TPOT, ITL)", False)):
         p = bench_sub.add_parser(name, help=text, description=module.__doc__)
         module.add_cli_args(p)

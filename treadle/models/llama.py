@@ -292,6 +292,22 @@ class LlamaForCausalLM(nn.Module):
         re-packs afterwards, so code that loads weights this way (e.g. via collective_rpc)
         needs no extra step; code that edits parameters in place must call pack_weights().
         """
+        plan, loaded = self._plan(weights, strict)
+        for target, tensor in plan:
+            target.copy_(tensor.to(target.dtype))
+        if self.is_packed:    # a weight update: the packed copies must follow
+            self.pack_weights()
+        return loaded
+
+    def check_weights(self, named_shapes: Iterable[tuple[str, tuple[int, ...]]],
+                      strict: bool = True) -> None:
+        """Raise as load_weights would for tensors of these names and shapes, copying nothing:
+        with several ranks, every one checks before any one loads."""
+        self._plan(((n, torch.empty(s, device="meta")) for n, s in named_shapes), strict)
+
+    def _plan(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[str]]:
+        """(parameter slice, tensor) copies for `weights`, and the names they consume."""
         params = dict(self.named_parameters())
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         loaded: set[str] = set()
@@ -329,11 +345,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         if strict:
             self._check_complete(covered)
-        for target, tensor in plan:
-            target.copy_(tensor.to(target.dtype))
-        if self.is_packed:    # a weight update: the packed copies must follow
-            self.pack_weights()
-        return loaded
+        return plan, loaded
 
     def _check_complete(self, covered: set[str]) -> None:
         missing = []

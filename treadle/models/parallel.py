@@ -76,6 +76,7 @@ class WeightSharder:
 
     def __init__(self, config, ctx: ParallelContext, head_dim: int, tied_head_here: bool) -> None:
         self.ctx = ctx
+        self.num_layers = config.num_hidden_layers
         self.layers = ctx.layer_range(config.num_hidden_layers)
         self.head_dim = head_dim
         self.num_heads = config.num_attention_heads
@@ -88,8 +89,9 @@ class WeightSharder:
     def owns(self, name: str) -> bool:
         ctx = self.ctx
         layer = _LAYER.match(name)
-        if layer is not None:
-            return int(layer.group(1)) in self.layers
+        if layer is not None:   # a layer no stage has is this stage's to refuse
+            index = int(layer.group(1))
+            return index in self.layers or not 0 <= index < self.num_layers
         if name.startswith("model.embed_tokens."):
             return ctx.is_first_stage or self.tied_head_here
         if name.startswith("model.norm.") or name.startswith("lm_head."):
@@ -102,21 +104,27 @@ class WeightSharder:
             return tensor
         r, t = ctx.tp_rank, ctx.tp_size
         if ".q_proj." in name:
-            return _part(tensor, 0, r, t)
+            return _part(name, tensor, 0, r, t)
         if ".k_proj." in name or ".v_proj." in name:
             if self.num_kv_heads >= t:
-                return _part(tensor, 0, r, t)
+                return _part(name, tensor, 0, r, t)
+            if tensor.shape[0] != self.num_kv_heads * self.head_dim:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{self.num_kv_heads * self.head_dim} rows")
             head = r // (t // self.num_kv_heads)   # replicated: ranks share a KV head
             return tensor.narrow(0, head * self.head_dim, self.head_dim)
         if ".gate_proj." in name or ".up_proj." in name:
-            return _part(tensor, 0, r, t)
+            return _part(name, tensor, 0, r, t)
         if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-            return _part(tensor, 1, r, t)
+            return _part(name, tensor, 1, r, t)
         if name.startswith("model.embed_tokens.") or name.startswith("lm_head."):
-            return _part(tensor, 0, r, t)
+            return _part(name, tensor, 0, r, t)
         return tensor   # norms and row-parallel biases: every rank holds all of it
 
 
-def _part(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+def _part(name: str, tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    if tensor.dim() <= dim or tensor.shape[dim] % parts:
+        raise ValueError(f"weight {name!r} of shape {tuple(tensor.shape)} does not split "
+                         f"{parts} ways along dimension {dim}")
     size = tensor.shape[dim] // parts
     return tensor.narrow(dim, rank * size, size)

@@ -313,6 +313,18 @@ class ModelRunner:
         """Reload every weight from a folder or GGUF of the same architecture."""
         return self._copy_weights(iter_hf_weights(prepare_model(path)), strict=True)
 
+    def check_weights(self, source: list[tuple[str, tuple[int, ...]]] | str) -> None:
+        """Raise as update_weights (given (name, shape) pairs) or load_weights (given a path)
+        would, changing nothing."""
+        if isinstance(source, str):
+            named_shapes = ((n, tuple(t.shape)) for n, t in iter_hf_weights(prepare_model(source)))
+            strict = True
+        else:
+            named_shapes, strict = source, self._weights_discarded
+        if self._weights_discarded:
+            self._materialize_weights()
+        self.model.check_weights(named_shapes, strict)
+
     def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
         if self._weights_discarded:
             self._materialize_weights()

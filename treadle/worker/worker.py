@@ -48,6 +48,9 @@ class Worker:
     def load_weights(self, path: str) -> int:
         return self.runner.load_weights(path)
 
+    def check_weights(self, source: list[tuple[str, tuple[int, ...]]] | str) -> None:
+        self.runner.check_weights(source)
+
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)
 

@@ -1,0 +1,61 @@
+"""Replacing a worker group that failed, with no request lost (`max_worker_restarts`).
+
+The steps in flight are lost with the workers, and so is every block of KV they held. So every
+running request is preempted: its output so far is kept, and it resumes by recompute, as after
+any preemption. The lost steps are then accounted for as if they had come back: everything
+they carried was made stale by the preemption, so the token ledger drops it, and their
+counters settle exactly as for steps that returned. Then the prefix cache is emptied, since
+the new workers' KV cache holds nothing, and a new group starts with the same configuration.
+
+Only where a restart can restore everything: not after the weights were changed in place (the
+new workers load them from the model's files), and not with a KV connector (whose transfers
+in flight cannot be replayed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.executor import create_executor
+
+if TYPE_CHECKING:
+    from treadle.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+def can_restart(core: "EngineCore") -> bool:
+    return (core.num_worker_restarts < core.config.parallel.max_worker_restarts
+            and core.connector is None and core.weight_version == 0 and not core.asleep)
+
+
+def restart_workers(core: "EngineCore", reason: str) -> None:
+    core.num_worker_restarts += 1
+    scheduler = core.scheduler
+    lost = [sched_out for _, sched_out in core.batch_queue]
+    core.batch_queue.clear()
+    num_resumed = len(scheduler.running)
+    scheduler.reset_prefix_cache(reset_running_requests=True)
+    for sched_out in lost:
+        outputs = scheduler.update_from_output(sched_out, _stale_output(sched_out))
+        assert not outputs, "a lost step produced output after its requests were preempted"
+    assert scheduler.kv_cache.reset_prefix_cache(), "no block may be held after the reset"
+    logger.warning("%s: restarting the workers (%d of %d); %d requests resume by recompute",
+                   reason, core.num_worker_restarts, core.config.parallel.max_worker_restarts,
+                   num_resumed)
+    core.executor.shutdown()
+    core.executor = create_executor(core.config)
+    if core.executor.num_blocks != scheduler.kv_cache.pool.num_blocks:
+        raise RuntimeError(f"the new workers have {core.executor.num_blocks} KV blocks, the "
+                           f"scheduler {scheduler.kv_cache.pool.num_blocks}")
+
+
+def _stale_output(sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    """What a lost step would have returned, as far as the ledger can tell: a token for every
+    request that sampled (all of them stale now), nothing for the others."""
+    req_ids = list(sched_out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        sampled_token_ids=[[0] if sched_out.num_in_flight_tokens.get(r) else [] for r in req_ids])

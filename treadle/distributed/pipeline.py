@@ -13,6 +13,8 @@ SchedulerOutput, so sender and receivers always agree (invariant 4).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -36,13 +38,16 @@ class StageLink:
         # stages) on the last stage, received on the others.
         self.num_sampled_sends = 0
         self.num_sampled_recvs = 0
+        self.recv_wait_s = 0.0   # time spent waiting for the other stages
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         self._isend(hidden.contiguous(), self.next, HIDDEN_TAG)
 
     def recv_hidden(self, num_tokens: int) -> torch.Tensor:
         buf = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        start = time.perf_counter()
         dist.recv(buf, self.prev, tag=HIDDEN_TAG)
+        self.recv_wait_s += time.perf_counter() - start
         return buf
 
     def send_sampled(self, token_ids: list[int]) -> None:
@@ -53,7 +58,9 @@ class StageLink:
 
     def recv_sampled(self, num_tokens: int) -> list[int]:
         buf = torch.empty(num_tokens, dtype=torch.int64)
+        start = time.perf_counter()
         dist.recv(buf, self.last, tag=SAMPLED_TAG)
+        self.recv_wait_s += time.perf_counter() - start
         self.num_sampled_recvs += 1
         return buf.tolist()
 

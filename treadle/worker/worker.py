@@ -34,12 +34,14 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
-    def pipeline_stats(self) -> dict[str, int]:
-        """Sampled-token messages between pipeline stages so far (zero with one stage)."""
+    def pipeline_stats(self) -> dict[str, float]:
+        """Sampled-token messages between pipeline stages so far, and the time spent waiting
+        for other stages (all zero with one stage)."""
         link = self.runner.link
         return {"rank": self.ctx.rank,
                 "sampled_sends": link.num_sampled_sends if link is not None else 0,
-                "sampled_recvs": link.num_sampled_recvs if link is not None else 0}
+                "sampled_recvs": link.num_sampled_recvs if link is not None else 0,
+                "recv_wait_s": link.recv_wait_s if link is not None else 0.0}
 
     # -- RL controls -----------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

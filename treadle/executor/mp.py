@@ -128,13 +128,11 @@ class MultiprocExecutor:
             while self._sock.poll(0):   # replies first: a worker reports why before it exits
                 self._take_reply(starting)
             self._check_processes()
-        results = []
-        for rank in ranks:
-            ok, value = self._replies.pop((call_id, rank))
+        replies = [self._replies.pop((call_id, rank)) for rank in ranks]
+        for ok, value in replies:
             if not ok:   # a caller's error in a control call: the workers are fine
                 raise value.to_exception()
-            results.append(value)
-        return results
+        return [value for _, value in replies]
 
     def _take_reply(self, starting: bool) -> None:
         _, message = self._sock.recv_multipart()

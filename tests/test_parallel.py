@@ -104,6 +104,7 @@ def test_tiny_models_match_transformers(tiny_checkpoints, reference, arch, pp, t
     assert_exact(outputs, prompts, reference(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_smollm2_two_stages_match_transformers(smollm2_path, reference, async_scheduling):
     prompts = token_ids(smollm2_path)
@@ -380,14 +381,16 @@ def test_workers_exit_when_their_parent_is_killed(tiny_checkpoints, tmp_path):
         from treadle import LLM
         if __name__ == "__main__":
             llm = LLM({tiny_checkpoints["llama"]!r}, pipeline_parallel_size=2, num_kv_blocks=32)
-            print(" ".join(str(p.pid) for p in llm.engine.core.executor.procs), flush=True)
+            executor = llm.engine.core.executor
+            print(executor._ipc_dir, *(p.pid for p in executor.procs), flush=True)
             time.sleep(600)
     """))
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2
+        ipc_dir, *pids = parent.stdout.readline().split()
+        pids = [int(p) for p in pids]
+        assert len(pids) == 2 and os.path.isdir(ipc_dir)
     finally:
         parent.kill()
         parent.wait()
@@ -395,6 +398,7 @@ def test_workers_exit_when_their_parent_is_killed(tiny_checkpoints, tmp_path):
     while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(running(p) for p in pids), "workers outlived their parent"
+    assert not os.path.exists(ipc_dir), "the socket's folder outlived the workers"
 
 
 def running(pid: int) -> bool:

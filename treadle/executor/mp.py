@@ -17,6 +17,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -64,6 +65,9 @@ class MultiprocExecutor:
         self._ipc_dir = tempfile.mkdtemp(prefix="treadle-rpc-")
         self._sock.bind(f"ipc://{self._ipc_dir}/engine")
         self.procs: list[multiprocessing.Process] = []
+        # An executor never shut down (its engine dropped, or the interpreter exiting) still
+        # kills its workers and removes its socket's folder.
+        self._finalizer = weakref.finalize(self, _clean_up, self.procs, self._ipc_dir)
         try:
             self._store = _host_store(parallel.master_port, self.world_size)
             # Each worker gets an equal share of the cores, unless OMP_NUM_THREADS says.
@@ -175,18 +179,23 @@ class MultiprocExecutor:
                 pass
         for proc in self.procs:
             proc.join(SHUTDOWN_GRACE_S)
-        self._kill_workers()
         self._dead = self._dead or "the executor was shut down"
         self._sock.close(0)
         self._zmq.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._finalizer()
 
     def _kill_workers(self) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.procs:
-            proc.join(SHUTDOWN_GRACE_S)
+        _clean_up(self.procs, None)
+
+
+def _clean_up(procs: list[multiprocessing.Process], ipc_dir: str | None) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(SHUTDOWN_GRACE_S)
+    if ipc_dir is not None:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def _host_store(port: int | None, world_size: int) -> dist.TCPStore:

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import pickle
+import shutil
 import threading
 import time
 import traceback
@@ -56,7 +57,7 @@ def dumps(obj: Any) -> bytes:
 def worker_main(rank: int, config: TreadleConfig, address: str, store_port: int,
                 parent_pid: int, num_threads: int) -> None:
     """Entry point of a spawned worker process."""
-    _exit_with_parent(parent_pid)
+    _exit_with_parent(parent_pid, os.path.dirname(address.removeprefix("ipc://")))
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     import torch
@@ -114,11 +115,13 @@ def _remote_error(rank: int, e: BaseException) -> RemoteError:
     return RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit as soon as the parent is gone: this process is then re-parented."""
+def _exit_with_parent(parent_pid: int, ipc_dir: str) -> None:
+    """Exit as soon as the parent is gone (this process is then re-parented), removing the
+    folder of its socket, which the parent had no chance to."""
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="treadle-parent-watch", daemon=True).start()

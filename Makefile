@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test: install
 
 bench: install
 	$(BIN)/treadle bench throughput --compare-hf
+
+# treadle against vLLM's CPU build and llama.cpp (benchmarks/peers/). The first run installs
+# the peers into their own environments (llama.cpp compiles for about 18 minutes); later runs
+# reuse them. Not part of `make test`.
+bench-peers: install
+	bash benchmarks/peers/setup.sh
+	$(BIN)/python benchmarks/peers/run.py --out benchmarks/peers/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -92,6 +92,7 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_process(args, messa
     ("qwen2", 1, 2, False),    # q/k/v biases, one KV head per rank
     ("qwen3", 2, 1, True),     # q/k norms; the token ledger across three steps in flight
     ("llama", 1, 1, True),     # the mp executor with one worker
+    ("llama", 3, 1, False),    # a middle stage: neither the embedding nor the head
 ])
 def test_tiny_models_match_transformers(tiny_checkpoints, reference, arch, pp, tp, async_scheduling):
     path = tiny_checkpoints[arch]
@@ -300,13 +301,17 @@ def test_serve_with_two_stages_and_a_worker_killed(tiny_checkpoints, reference, 
 
 
 def test_a_restarted_worker_group_loses_no_request(tiny_checkpoints, reference):
-    """With max_worker_restarts=1, a worker killed mid-run is replaced: every request resumes
-    by recompute and ends exactly as transformers says. A second death ends the engine."""
+    """With max_worker_restarts=1, a worker killed mid-run is replaced (on the same master
+    port, and with the KV cache sized by memory again): every request resumes by recompute and
+    ends exactly as transformers says. A second death ends the engine."""
     path = tiny_checkpoints["qwen3"]
     prompts = token_ids(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     engine = LLMEngine.from_engine_args(EngineArgs(
         path, pipeline_parallel_size=2, async_scheduling=True, max_worker_restarts=1,
-        max_num_batched_tokens=16, num_kv_blocks=64))
+        max_num_batched_tokens=16, kv_cache_memory_bytes=4 << 20, master_port=port))
     finals = {}
 
     def step() -> None:

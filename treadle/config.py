@@ -273,6 +273,9 @@ class EngineArgs:
         spec_cfg = (SpeculativeConfig.from_dict(self.speculative_config)
                     if self.speculative_config is not None else None)
         parallel.check_model(model_cfg)
+        if device.startswith("cuda") and parallel.world_size > 1:
+            raise ValueError("more than one worker on CUDA is not built yet (no device per rank, "
+                             "and nothing of it ran on a GPU): use one worker")
         if spec_cfg is not None and parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported: drop speculative_config or use one stage")

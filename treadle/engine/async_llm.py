@@ -209,10 +209,10 @@ class AsyncLLM:
         """Raises EngineDeadError once the engine core has failed, or a worker has died."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine core failed: {self._dead!r}")
-        try:
-            await self._call(self.core.check_health)
-        except RuntimeError as e:   # the core thread stopped meanwhile
-            raise EngineDeadError(str(e)) from e
+        # Asked here, not on the engine thread, which may be busy with a long step.
+        reason = self.core.failure()
+        if reason is not None:
+            raise EngineDeadError(reason)
 
     async def get_stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage, prefix-cache, preemption and spec-decode counters."""

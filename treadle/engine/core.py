@@ -146,7 +146,10 @@ class EngineCore:
         """Restart the worker group if allowed (`max_worker_restarts`), else the engine is dead."""
         if not can_restart(self):
             raise EngineDeadError(f"a model step failed: {error!r}") from error
-        restart_workers(self, str(error))
+        try:
+            restart_workers(self, str(error))
+        except Exception as e:   # no workers now: nothing can run
+            raise EngineDeadError(f"{error}; restarting the workers failed: {e!r}") from e
 
     def drain(self) -> None:
         """Wait for every step in flight and account for it; its outputs go out with the next step()."""
@@ -272,9 +275,11 @@ class EngineCore:
         return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
                                  stop_reason=reason) for rid in self.scheduler.requests]
 
-    def check_health(self) -> None:
-        """Raises EngineDeadError if a worker has died, even while the engine is idle."""
-        self.executor.check_health()
+    def failure(self) -> str | None:
+        """Why the engine cannot serve, or None: a worker group that died and will not be
+        replaced (`max_worker_restarts`). Changes nothing, so any thread may ask."""
+        reason = self.executor.failure()
+        return reason if reason is not None and not can_restart(self) else None
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -83,10 +83,12 @@ class EngineCoreThread:
             with self._lock:
                 self._stopping = True
                 self._failure = exc
-            # Every request still in the engine ends with an error that says why.
-            self._on_outputs(self.core.error_outputs(str(exc)), self.core.weight_version)
+            # Outputs already produced go out; every request still in the engine ends with an
+            # error that says why.
+            self._on_outputs(self.core.take_pending_outputs() + self.core.error_outputs(str(exc)),
+                             self.core.weight_version)
             self._on_error(exc)
-            self._fail_waiting_calls(f"the engine core failed: {exc!r}")
+            self._fail_waiting_calls(f"the engine core failed: {exc}")
         finally:
             with self._lock:
                 self._stopping = True
@@ -121,6 +123,9 @@ class EngineCoreThread:
                 self._on_outputs(pending, self.core.weight_version)
             future.set_result(result)
 
+    def _stopped_error(self, reason: str) -> Exception:
+        return EngineDeadError(reason) if self._failure is not None else RuntimeError(reason)
+
     def _fail_waiting_calls(self, reason: str) -> None:
         while True:
             try:
@@ -128,8 +133,8 @@ class EngineCoreThread:
             except queue.Empty:
                 break
             if item is not None and not item[3].done():
-                item[3].set_exception(RuntimeError(reason))
+                item[3].set_exception(self._stopped_error(reason))
         for future in self._idle_waiters:
             if not future.done():
-                future.set_exception(RuntimeError(reason))
+                future.set_exception(self._stopped_error(reason))
         self._idle_waiters.clear()

@@ -14,6 +14,7 @@ in flight cannot be replayed).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -41,15 +42,17 @@ def restart_workers(core: "EngineCore", reason: str) -> None:
     for sched_out in lost:
         outputs = scheduler.update_from_output(sched_out, _stale_output(sched_out))
         assert not outputs, "a lost step produced output after its requests were preempted"
-    assert scheduler.kv_cache.reset_prefix_cache(), "no block may be held after the reset"
+    if not scheduler.kv_cache.reset_prefix_cache():
+        raise RuntimeError("KV blocks are still held after every request was preempted")
     logger.warning("%s: restarting the workers (%d of %d); %d requests resume by recompute",
                    reason, core.num_worker_restarts, core.config.parallel.max_worker_restarts,
                    num_resumed)
-    core.executor.shutdown()
-    core.executor = create_executor(core.config)
-    if core.executor.num_blocks != scheduler.kv_cache.pool.num_blocks:
-        raise RuntimeError(f"the new workers have {core.executor.num_blocks} KV blocks, the "
-                           f"scheduler {scheduler.kv_cache.pool.num_blocks}")
+    core.executor.shutdown()   # first: its store's port and its memory go back
+    # Exactly the scheduler's blocks, not a budget measured again, which could differ.
+    num_blocks = scheduler.kv_cache.pool.num_blocks
+    config = dataclasses.replace(
+        core.config, cache=dataclasses.replace(core.config.cache, num_kv_blocks=num_blocks))
+    core.executor = create_executor(config)
 
 
 def _stale_output(sched_out: SchedulerOutput) -> ModelRunnerOutput:

@@ -17,6 +17,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
 import weakref
 from typing import Any, Callable
 
@@ -116,9 +117,10 @@ class MultiprocExecutor:
               reply_from: set[int]) -> int:
         self._check_alive()
         call_id, self._next_call = self._next_call, self._next_call + 1
+        message = dumps((call_id, method, args, kwargs))
         for rank in range(self.world_size):
-            message = dumps((call_id, method, args, kwargs, rank in reply_from))
-            self._sock.send_multipart([str(rank).encode(), message])
+            flag = b"1" if rank in reply_from else b"0"
+            self._sock.send_multipart([str(rank).encode(), flag, message], copy=False)
         return call_id
 
     def _wait(self, call_id: int, ranks, starting: bool = False) -> list[Any]:
@@ -162,9 +164,15 @@ class MultiprocExecutor:
             raise WorkerFailedError(self._dead)
 
     # -- shutdown ----------------------------------------------------------------------
-    def check_health(self) -> None:
-        self._check_alive()
-        self._check_processes()
+    def failure(self) -> str | None:
+        """Why the worker group is gone, or None while every worker lives. Changes nothing, so
+        any thread may ask."""
+        if self._dead is not None:
+            return self._dead
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is not None:
+                return f"worker rank {rank} died (exit code {proc.exitcode})"
+        return None
 
     def shutdown(self) -> None:
         """Ask the workers to exit, kill any that do not, and free the sockets. Idempotent."""
@@ -174,12 +182,14 @@ class MultiprocExecutor:
             try:
                 for rank in range(self.world_size):
                     self._sock.send_multipart(
-                        [str(rank).encode(), dumps((-1, SHUTDOWN, (), {}, True))], zmq.NOBLOCK)
+                        [str(rank).encode(), b"1", dumps((-1, SHUTDOWN, (), {}))], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S   # one grace period for them all
         for proc in self.procs:
-            proc.join(SHUTDOWN_GRACE_S)
+            proc.join(max(0.0, deadline - time.monotonic()))
         self._dead = self._dead or "the executor was shut down"
+        self._store = None   # frees its port, for a worker group that replaces this one
         self._sock.close(0)
         self._zmq.term()
         self._finalizer()
@@ -192,8 +202,9 @@ def _clean_up(procs: list[multiprocessing.Process], ipc_dir: str | None) -> None
     for proc in procs:
         if proc.is_alive():
             proc.kill()
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
     for proc in procs:
-        proc.join(SHUTDOWN_GRACE_S)
+        proc.join(max(0.0, deadline - time.monotonic()))
     if ipc_dir is not None:
         shutil.rmtree(ipc_dir, ignore_errors=True)
 

@@ -1,10 +1,11 @@
 """A worker process of the `mp` executor: one rank, its model shard and KV cache slice.
 
-The wire, over ZeroMQ (a DEALER here, the engine's ROUTER there), one pickled message per frame:
-  engine -> worker: (call_id, method, args, kwargs, reply): run a Worker method (or a callable
-                    taking the worker); `reply` is False for steps on ranks whose output the
-                    engine does not read (only failures are reported then);
-  worker -> engine: (call_id, rank, ok, result): the result, or a RemoteError.
+The wire, over ZeroMQ (a DEALER here, the engine's ROUTER there):
+  engine -> worker: two frames, b"1" or b"0" (whether to reply), then the pickled (call_id,
+                    method, args, kwargs): run a Worker method (or a callable taking the
+                    worker). Ranks whose step output the engine does not read get b"0" and
+                    report only failures. The call is pickled once for all ranks.
+  worker -> engine: the pickled (call_id, rank, ok, result): the result, or a RemoteError.
 Call 0 is start-up: every rank reports its KV block count, or why it could not start.
 
 A worker exits when told to, and on its own when its parent is gone (a parent killed with
@@ -18,6 +19,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import threading
 import time
 import traceback
@@ -44,9 +46,12 @@ class RemoteError:
     traceback: str
 
     def to_exception(self) -> Exception:
-        # Caller errors (bad weights, bad arguments) keep their type, so they stay a 400.
-        cls = {"ValueError": ValueError, "TypeError": TypeError,
-               "KeyError": KeyError}.get(self.kind, RuntimeError)
+        # Caller errors (bad weights, bad arguments, a path that is not there) keep a type the
+        # server turns into a 400, as they would with the worker in the engine's process.
+        cls = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": ValueError,
+               "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError,
+               "IsADirectoryError": OSError, "NotADirectoryError": OSError,
+               "OSError": OSError}.get(self.kind, RuntimeError)
         return cls(f"worker rank {self.rank}: {self.kind}: {self.message}")
 
 
@@ -57,6 +62,8 @@ def dumps(obj: Any) -> bytes:
 def worker_main(rank: int, config: TreadleConfig, address: str, store_port: int,
                 parent_pid: int, num_threads: int) -> None:
     """Entry point of a spawned worker process."""
+    # Ctrl-C reaches the whole process group: the engine shuts the workers down itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid, os.path.dirname(address.removeprefix("ipc://")))
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
@@ -93,7 +100,9 @@ def _start(rank: int, config: TreadleConfig, store_port: int):
 
 def _serve(rank: int, worker, sock: zmq.Socket) -> None:
     while True:
-        call_id, method, args, kwargs, reply = pickle.loads(sock.recv())
+        flag, message = sock.recv_multipart()
+        call_id, method, args, kwargs = pickle.loads(message)
+        reply = flag == b"1"
         if method == SHUTDOWN:
             sock.send(dumps((call_id, rank, True, None)))
             return

@@ -40,8 +40,9 @@ class UniProcExecutor:
             return [self._thread.submit(fn, *args, **(kwargs or {})).result()]
         return [fn(*args, **(kwargs or {}))]
 
-    def check_health(self) -> None:
-        """Nothing to check: the worker lives in this process."""
+    def failure(self) -> str | None:
+        """None: the worker lives in this process, and its failures are raised where they happen."""
+        return None
 
     def shutdown(self) -> None:
         if self._thread is not None:

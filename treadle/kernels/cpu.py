@@ -14,6 +14,7 @@ transformers does; TREADLE_REQUIRE_CPU_KERNELS=1 (for CI) makes a failed build a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -83,8 +84,16 @@ def _build_and_load() -> bool:
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-             build_directory=str(build_dir), is_python_module=False, verbose=False)
+        # torch's own lock is a plain file: a process killed while holding it (a worker shot
+        # mid-start) leaves it behind, and every later load waits on it forever. An flock dies
+        # with its holder; whoever holds it knows no one else is building, so a torch lock it
+        # finds is stale.
+        with open(build_dir / ".treadle-lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                 is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only home: the torch path still works
         if os.environ.get("TREADLE_REQUIRE_CPU_KERNELS") == "1":
             raise RuntimeError(f"TREADLE_REQUIRE_CPU_KERNELS=1, but the CPU kernels failed to "

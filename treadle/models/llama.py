@@ -249,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         device = next(self.parameters()).device
         linear.pack_weights(self, device)
         self._packed_head = None
-        if linear.packing_supported(device):
+        if linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
 

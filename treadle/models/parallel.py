@@ -71,18 +71,16 @@ def embedding(vocab_size: int, hidden_size: int, ctx: ParallelContext) -> nn.Emb
 
 
 class WeightSharder:
-    """Cuts a transformers-named full tensor down to this rank's shard, or says that the weight
-    belongs to another stage (None)."""
+    """Says which transformers-named weights this rank holds (`owns`), and cuts a full tensor
+    down to its shard (`shard`)."""
 
     def __init__(self, config, ctx: ParallelContext, head_dim: int, tied_head_here: bool) -> None:
         self.ctx = ctx
         self.num_layers = config.num_hidden_layers
         self.layers = ctx.layer_range(config.num_hidden_layers)
         self.head_dim = head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.intermediate = config.intermediate_size
-        self.vocab = config.vocab_size
+        self.num_kv_heads = (getattr(config, "num_key_value_heads", None)
+                             or config.num_attention_heads)
         # The last stage scores with its own copy of a tied embedding.
         self.tied_head_here = tied_head_here
 

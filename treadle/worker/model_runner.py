@@ -238,9 +238,9 @@ class ModelRunner:
         hidden_in = None
         if self.link is not None and not self.ctx.is_first_stage:
             hidden_in = self.link.recv_hidden(len(positions))
-        hidden = self.model(torch.from_numpy(input_ids).to(self.device),
-                            torch.from_numpy(positions).to(self.device), self.kv_caches, meta,
-                            hidden_in)
+        ids = torch.from_numpy(input_ids).to(self.device) if self.ctx.is_first_stage else None
+        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), self.kv_caches,
+                            meta, hidden_in)
         if self.link is not None and not self.ctx.is_last_stage:
             self.link.send_hidden(hidden)
         return hidden
@@ -321,7 +321,7 @@ class ModelRunner:
             strict = True
         else:
             named_shapes, strict = source, self._weights_discarded
-        if self._weights_discarded:
+        if self._weights_discarded:   # the weights a full load will fill anyway
             self._materialize_weights()
         self.model.check_weights(named_shapes, strict)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import transformers
+
 from treadle.entrypoints.cli import main
 
 
@@ -47,3 +50,21 @@ def test_bench_kv_loads_the_prefix_and_agrees(tiny_checkpoints, tmp_path, capsys
     assert report["first_tokens_agree"] == "2/2"
     assert set(report["median_ttft_s"]) == {"from the store", "recomputed"}
     assert "TTFT speed-up from the store" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # a tied head, and an untied one
+def test_bench_floor_counts_the_weights_a_step_reads(tiny_checkpoints, tmp_path, arch):
+    out = tmp_path / "floor.json"
+    path = tiny_checkpoints[arch]
+    assert main(["bench", "floor", "--model", path, "--input-len", "4", "--output-len", "3",
+                 "--num-iters", "1", "--copy-mib", "64", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32")
+    expected = sum(p.numel() * 4 for p in hf.parameters())   # a tied head is counted once
+    if not hf.config.tie_word_embeddings:
+        expected -= hf.get_input_embeddings().weight.numel() * 4   # a lookup reads one row
+    assert report["weight_bytes_per_step"] == expected
+    assert report["copy_bandwidth_gb_s"] > 0 and report["tpot_ms_median"] > 0
+    assert report["tpot_over_floor"] == pytest.approx(report["tpot_ms_median"] / report["floor_ms"])
+    with pytest.raises(SystemExit):   # --output-len below 2 has no decode step to time
+        main(["bench", "floor", "--model", path, "--output-len", "1"])

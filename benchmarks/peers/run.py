@@ -194,13 +194,14 @@ def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokeniz
             n = max(8, SERVING["requests_per_level"] * level)
             lo, hi = SERVING["input_len"]
             olo, ohi = SERVING["output_len"]
+            # A level with failed requests is still reported: its summary counts the errors.
             subprocess.run(
                 [str(ROOT / ".venv/bin/treadle"), "bench", "serve",
                  "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer_dir,
                  "--num-prompts", str(n), "--max-concurrency", str(level),
                  "--input-len", f"{lo},{hi}", "--output-len", f"{olo},{ohi}",
                  "--save-result", str(path), "--no-tqdm"],
-                check=True, stdout=subprocess.DEVNULL)
+                check=False, stdout=subprocess.DEVNULL)
             results[level] = json.loads(path.read_text())
     finally:
         stop(server)
@@ -221,6 +222,10 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--no-serving", action="store_true", help="offline workloads only")
     parser.add_argument("--no-offline", action="store_true", help="the serving sweep only")
+    parser.add_argument("--serving-dtypes", default="fp32",
+                        help="dtypes of the serving sweep [default: fp32]")
+    parser.add_argument("--offline-from", default=None, metavar="PEERS_JSON",
+                        help="take the offline results of an earlier run (with --no-offline)")
     ns = parser.parse_args()
     engines, dtypes = ns.engines.split(","), ns.dtypes.split(",")
     out_dir = Path(ns.out)
@@ -230,6 +235,9 @@ def main() -> int:
     tokenizer = load_tokenizer(hf_dir)
     report: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv),
                               "offline": {}, "serving": {}}
+    if ns.offline_from:
+        earlier = json.loads(Path(ns.offline_from).read_text())
+        report["offline"], report["offline_machine"] = earlier["offline"], earlier["machine"]
 
     if not ns.no_offline:
         for wname in ns.workloads.split(","):
@@ -250,19 +258,26 @@ def main() -> int:
                            if reference is not None else None}
                     report["offline"].setdefault(wname, {}).setdefault(dtype, {})[engine] = row
                     print(f"{wname} {dtype} {engine}: {row}", flush=True)
+                    save(report, out_dir)
 
     if not ns.no_serving:
-        for dtype in dtypes:
+        for dtype in ns.serving_dtypes.split(","):
             for engine in engines:
                 report["serving"].setdefault(dtype, {})[engine] = serving(
                     engine, dtype, hf_dir, ggufs, hf_dir, out_dir)
                 print(f"serving {dtype} {engine} done", flush=True)
+                save(report, out_dir)
 
-    (out_dir / "peers.json").write_text(json.dumps(report, indent=2, default=str))
-    (out_dir / "peers.md").write_text(markdown(report))
+    save(report, out_dir)
     plot(report, out_dir / "peers.png")
     print(markdown(report))
     return 0
+
+
+def save(report: dict[str, Any], out_dir: Path) -> None:
+    """Written after every result, so that a failure late in a long run keeps the rest."""
+    (out_dir / "peers.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "peers.md").write_text(markdown(report))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -281,7 +296,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     if report["serving"]:
         lines += ["| dtype | engine | concurrency | output tok/s | TTFT p50 / p99 ms | "
-                  "TPOT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
+                  "TPOT p50 / p99 ms | ITL p50 / p99 ms | errors |", "|---|---|---|---|---|---|---|---|"]
         for dtype, by_engine in report["serving"].items():
             for engine, levels in by_engine.items():
                 for level, s in levels.items():
@@ -289,7 +304,7 @@ def markdown(report: dict[str, Any]) -> str:
                     cell = lambda k: f"{summary[k]['median_ms']:.0f} / {summary[k]['p99_ms']:.0f}"  # noqa: E731
                     lines.append(f"| {dtype} | {engine} | {level} | "
                                  f"{summary['output_throughput']:.1f} | {cell('ttft')} | "
-                                 f"{cell('tpot')} | {cell('itl')} |")
+                                 f"{cell('tpot')} | {cell('itl')} | {summary['errors']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -251,11 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    from treadle.bench import (kv_transfer, latency, parallel, serve as bench_serve, spec_decode,
-                               throughput)
+    from treadle.bench import (floor, kv_transfer, latency, parallel, serve as bench_serve,
+                               spec_decode, throughput)
     for name, module, text, takes_engine_args in (
             ("throughput", throughput, "offline throughput on a synthetic workload", True),
             ("latency", latency, "end-to-end latency of one batch", True),
+            ("floor", floor, "batch-1 decode TPOT against the memory-bandwidth floor", True),
             ("spec", spec_decode, "n-gram speculative decoding against plain decoding", True),
             ("kv", kv_transfer, "TTFT of a long prefix loaded from a KV store vs recomputed", True),
             ("parallel", parallel, "mp executor step overhead; pipeline stages on long prefills",

@@ -36,20 +36,35 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+# Rows up to which the C++ kernel `small_rows_linear` (treadle/kernels) beats the packed GEMM:
+# at these sizes a layer is bound by reading its weight (docs/benchmarks.md).
+SMALL_ROWS = 2
+
+
+def _small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.treadle.small_rows_linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: torch.Tensor | None, native: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias: the C++ kernel at a few rows where `native`, else the packed GEMM
+    where there is a packed weight, else torch's."""
+    if native and x.shape[0] <= SMALL_ROWS:
+        return _small_rows_linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
-    """nn.Linear that uses its packed weight when it has one. Inputs are [tokens, in]."""
+    """nn.Linear that uses its packed weight when it has one, and the C++ kernel for a few
+    rows once `native` is set (models' use_cpu_kernels). Inputs are [tokens, in]."""
 
     packed: torch.Tensor | None = None
+    native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.native)
 
 
 def pack_weights(model: nn.Module, device: torch.device) -> int:

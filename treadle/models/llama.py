@@ -213,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
+        self.native_head = False   # the head through the C++ kernel at a few rows
         # A tied head is the embedding, unless the embedding lives on another stage: then the
         # last stage loads its own copy of it.
         tied_head_here = self.tie_word_embeddings and ctx.is_last_stage and not ctx.is_first_stage
@@ -240,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head)
+        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head)
         return self.ctx.all_gather_last_dim(logits).float()
 
     def pack_weights(self) -> None:
@@ -257,8 +258,9 @@ class LlamaForCausalLM(nn.Module):
         """Run RMSNorm, RoPE and SiLU-and-mul through the fused C++ ops (treadle/kernels/cpu.py),
         which the caller has loaded."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP, linear.Linear)):
                 module.native = True
+        self.native_head = True
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)

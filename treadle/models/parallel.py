@@ -37,7 +37,7 @@ class RowParallelLinear(Linear):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(linear.linear(x, self.weight, None, self.packed))
+        out = self.ctx.all_reduce(linear.linear(x, self.weight, None, self.packed, self.native))
         return out if self.bias is None else out + self.bias
 
 

@@ -1,5 +1,5 @@
-"""The CPU fast paths: oneDNN-packed GEMM weights, the C++ paged decode kernel, and the
-decode-chunk plan of the torch attention path. End-to-end equality with transformers lives in
+"""The CPU fast paths: oneDNN-packed GEMM weights, the C++ paged decode and prefill kernels,
+and the decode-chunk plan of the torch attention path. End-to-end equality with transformers lives in
 test_correctness.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.utils.cpp_extension
 
 from treadle import LLM, SamplingParams
-from treadle.attention.torch_backend import DECODE_CHUNK_TOKENS, GatherBuffer, build_metadata
+from treadle.attention.torch_backend import DECODE_CHUNK_TOKENS, GatherBuffer, TorchAttention, build_metadata
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
@@ -222,6 +222,116 @@ def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypat
         assert runner.model.model.layers[0].mlp.native == (switch == "1")
         runs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs["1"] == runs["0"]
+
+
+def _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, seed=0):
+    """A cache with scattered blocks and the spans' (context, query) K/V in it, every other
+    slot NaN: a kernel that reads past a span's keys shows it. q is a strided view into a
+    fused qkv tensor, as the model hands it over."""
+    rng = np.random.default_rng(seed)
+    head_dim, num_blocks = 64, 512
+    totals = [ctx + n for ctx, n in spans]
+    max_blocks = -(-max(totals) // block_size)
+    table = np.zeros((len(spans), max_blocks), dtype=np.int32)
+    free = iter(rng.permutation(np.arange(1, num_blocks)))
+    torch.manual_seed(seed)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for i, total in enumerate(totals):
+        table[i, :-(-total // block_size)] = [next(free) for _ in range(-(-total // block_size))]
+        t = np.arange(total)
+        slots = torch.from_numpy((table[i, t // block_size] * block_size + t % block_size).astype(np.int64))
+        for cache in (k_cache, v_cache):
+            cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(total, kv_heads, head_dim).to(dtype)
+    num_tokens = sum(n for _, n in spans)
+    q = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim).to(dtype)[:, :heads]
+    query_start = np.concatenate([[0], np.cumsum([n for _, n in spans])]).astype(np.int32)
+    return q, k_cache, v_cache, table, query_start
+
+
+def _dense_prefill(q, k_cache, v_cache, table, query_start, context_lens, scale):
+    """Reference: each span's K/V laid out densely, a bottom-right causal mask, float64."""
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, ctx in enumerate(context_lens):
+        a, b = int(query_start[i]), int(query_start[i + 1])
+        total = ctx + b - a
+        blocks = torch.as_tensor(table[i])
+        k = k_cache[blocks].flatten(0, 1)[:total].double().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:total].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,thd->hqt", q[a:b].double(), k) * scale
+        visible = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[a:b] = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v)
+    return out
+
+
+# (context, queries): no context, one query, long and short chunks after a context, a
+# speculative verification's 1 + k tokens, an empty span.
+PREFILL_SPANS = [(0, 37), (0, 1), (300, 4), (17, 1), (5, 100), (0, 0), (64, 20), (1000, 70), (3, 5)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (4, 2)])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_native_prefill_matches_dense_attention(dtype, tol, heads, kv_heads, block_size):
+    q, k_cache, v_cache, table, query_start = _paged_prefill_case(PREFILL_SPANS, heads, kv_heads,
+                                                                  block_size, dtype)
+    context_lens = [ctx for ctx, _ in PREFILL_SPANS]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    scale = q.shape[-1] ** -0.5
+    torch.ops.treadle.paged_prefill_attention(
+        out, q, k_cache, v_cache, torch.from_numpy(table), torch.from_numpy(query_start),
+        torch.tensor(context_lens, dtype=torch.int32), scale)
+    expected = _dense_prefill(q, k_cache, v_cache, table, query_start, context_lens, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_native
+def test_native_prefill_refuses_bad_inputs():
+    k_cache = torch.zeros(4, 16, 2, 8)
+    q, out = torch.zeros(3, 4, 8), torch.zeros(3, 4, 8)
+    table = torch.ones(1, 1, dtype=torch.int32)
+    starts, ctx = torch.tensor([0, 3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    op = torch.ops.treadle.paged_prefill_attention
+    with pytest.raises(RuntimeError, match="int32"):
+        op(out, q, k_cache, k_cache, table.long(), starts, ctx, 1.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        op(torch.zeros(3, 3, 8), torch.zeros(3, 3, 8), k_cache, k_cache, table, starts, ctx, 1.0)
+    with pytest.raises(RuntimeError, match="block table"):   # 14 + 3 tokens, one block of 16
+        op(out, q, k_cache, k_cache, table, starts, torch.tensor([14], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="per span"):
+        op(out, q, k_cache, k_cache, table, torch.tensor([0, 1, 3], dtype=torch.int32), ctx, 1.0)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_matches_the_torch_path(dtype):
+    """One step of decodes and prefill chunks through TorchAttention, with the kernels and
+    without: the same output, and the same K/V written to the cache."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    ctx = np.array([700, 300, 41, 0, 200, 1000, 0])
+    q_lens = np.array([1, 1, 1, 30, 5, 64, 1])          # three decodes first, then prefills
+    rng = np.random.default_rng(1)
+    max_blocks = -(-int((ctx + q_lens).max()) // block_size)
+    table = rng.permutation(np.arange(1, 1 + len(ctx) * max_blocks)).reshape(len(ctx), max_blocks)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+    torch.manual_seed(0)
+    kv_cache = torch.randn(2, table.size + 1, block_size, kv_heads, head_dim).to(dtype)
+    qkv = torch.randn(int(q_lens.sum()), heads + 2 * kv_heads, head_dim).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    attn = TorchAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    outs, caches = [], []
+    for native in (True, False):
+        meta = build_metadata(q_lens, ctx, positions, table, block_size, CPU, GatherBuffer(), native)
+        assert (meta.native_prefill is not None) == native and (not meta.prefills) == native
+        cache = kv_cache.clone()
+        outs.append(attn(q, k, v, cache, meta))
+        caches.append(cache)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+    assert torch.equal(caches[0], caches[1])
 
 
 FUSED_TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}

@@ -2,6 +2,11 @@
 
 - `paged_decode_attention`: decode attention that reads K/V straight out of the block table,
   where the torch path gathers them into a dense buffer and SDPA reads them again.
+- `paged_prefill_attention`: the same for prefill chunks (causal, after any cached context),
+  all of a step's chunks in one call where the torch path makes a gather, a mask and an SDPA
+  call per chunk.
+- `small_rows_linear`: a linear layer at 1-2 rows (batch-1 decode), which streams each weight
+  row once where oneDNN's GEMM, tuned for many rows, reads weights at about half that rate.
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch
   expressions they replace make three to five.
 

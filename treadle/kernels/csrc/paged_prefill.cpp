@@ -1,0 +1,256 @@
+// Paged prefill (extend) attention for CPU: spans of queries, each attending to the tokens
+// cached before it plus itself, all read from the cache through the block table (a span's
+// own K/V are written there before attention runs). The torch path gathers each span's
+// blocks into a dense buffer, builds a mask and calls SDPA per span: per-call overhead that
+// dominates the short spans of speculative verification.
+//
+// Layout (as in torch_backend.py): k_cache/v_cache [num_blocks, block_size, num_kv_heads,
+// head_dim]; q/out [tokens, num_heads, head_dim] with the last dim contiguous; block_table
+// int32 [spans, max_blocks]; query_start int32 [spans + 1] (span s owns rows
+// query_start[s]..query_start[s+1]); context_lens int32 [spans]. Query i of span s sits at
+// position context_lens[s] + i and sees keys 0..context_lens[s] + i (causal, bottom-right
+// aligned). Accumulates in fp32.
+//
+// Flash style: a work item is a tile of query rows of one span, times the query heads of one
+// KV head. Its queries sit side by side in the vector lanes (transposed once per item), so
+// both products are the same micro-kernel, a lane vector times broadcast scalars: scores
+// [key][query] += k[key][d] * q[d][query], and acc[d][query] += v[key][d] * p[key][query].
+// Keys come in tiles of kKeys, each converted to fp32 once and used by every query of the
+// item, with an online softmax across tiles, lane by lane.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Queries per lane vector: one AVX-512 register of fp32 (two AVX2 ones).
+constexpr int64_t kLanes = 16;
+// Keys per tile, and how many of them one pass of the QK micro-kernel keeps in registers.
+constexpr int64_t kKeys = 16;
+constexpr int64_t kKeyBlock = 8;
+// head_dim entries per pass of the PV micro-kernel; V rows are padded to a multiple of it.
+constexpr int64_t kDimBlock = 8;
+// Query vectors (rows x the group's heads) per work item: enough that a K/V tile serves many
+// queries; the item's buffers (q, acc: 12 KiB each at head_dim 64) stay in L1/L2.
+constexpr int64_t kItemQueries = 48;
+// Below any score, yet finite: -ffast-math assumes no inf.
+constexpr float kMasked = -1e30f;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct Item {
+  int64_t span, kv_head, row0, row1;  // rows row0..row1 of the span
+};
+
+template <typename scalar_t>
+void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_table,
+                       const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_spans = context_lens.size(0), max_blocks = block_table.size(1);
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const int64_t c_block = k_cache.stride(0), c_tok = k_cache.stride(1), c_head = k_cache.stride(2);
+  const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  scalar_t* o_data = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_table.data_ptr<int32_t>();
+  const int32_t* starts = query_start.data_ptr<int32_t>();
+  const int32_t* ctx_lens = context_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // Items from the last rows of each span back: those see the most keys, and handing them
+  // out first leaves the short ones to even out the threads at the end.
+  const int64_t rows_per_item = std::max<int64_t>(1, kItemQueries / group);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t rows = starts[s + 1] - starts[s], ctx = ctx_lens[s];
+    TORCH_CHECK(rows >= 0 && ctx >= 0 && ctx + rows <= max_blocks * block_size && starts[s] >= 0 &&
+                starts[s + 1] <= q.size(0), "span ", s, " does not fit its rows or its block table");
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t row1 = rows; row1 > 0; row1 -= rows_per_item)
+        items.push_back({s, h, std::max<int64_t>(0, row1 - rows_per_item), row1});
+  }
+
+  const int64_t max_width = round_up(rows_per_item * group, kLanes);
+  const int64_t dim_pad = round_up(head_dim, kDimBlock);
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    // Scratch from ATen's allocator, 64-byte aligned (a lane vector misaligned straddles two
+    // cache lines on every access), carved at multiples of kLanes floats. Per query lane: q
+    // (scaled) and acc, [d][lane]; the running max and sum; its position. Then the key tile
+    // in fp32, [key][d]; V's padding columns stay zero, so acc's do too.
+    at::Tensor scratch = at::zeros({(head_dim + dim_pad + 2) * max_width + 2 * kKeys * dim_pad}, at::kFloat);
+    at::Tensor positions = at::empty({max_width}, at::kInt);
+    float* qt = scratch.data_ptr<float>();
+    float* acc = qt + head_dim * max_width;
+    float* m = acc + dim_pad * max_width;
+    float* l = m + max_width;
+    float* kt = l + max_width;
+    float* vt = kt + kKeys * dim_pad;
+    int32_t* pos = positions.data_ptr<int32_t>();
+    alignas(64) float p[kKeys][kLanes];
+    for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) {
+      const Item& it = items[idx];
+      const int64_t ctx = ctx_lens[it.span];
+      const int32_t* table = tables + it.span * max_blocks;
+      const int64_t first_row = starts[it.span] + it.row0;
+      const int64_t first_head = it.kv_head * group;
+      // Lane i holds row row0 + i / group, head first_head + i % group. Padding lanes (zero
+      // queries, position -1) are computed along and never written.
+      const int64_t lanes = (it.row1 - it.row0) * group, width = round_up(lanes, kLanes);
+      for (int64_t i = 0; i < width; ++i) {
+        pos[i] = i < lanes ? static_cast<int32_t>(ctx + it.row0 + i / group) : -1;
+        m[i] = kMasked;
+        l[i] = 0.f;
+      }
+      for (int64_t i = 0; i < lanes; ++i) {
+        const scalar_t* src = q_data + (first_row + i / group) * q_tok + (first_head + i % group) * q_head;
+        for (int64_t d = 0; d < head_dim; ++d) qt[d * width + i] = static_cast<float>(src[d]) * fscale;
+      }
+      for (int64_t d = 0; d < head_dim; ++d) std::fill(&qt[d * width + lanes], &qt[d * width + width], 0.f);
+      std::fill(acc, acc + dim_pad * width, 0.f);
+
+      const int64_t end = ctx + it.row1;  // the item's last row sees keys 0..end-1
+      auto row_of = [&](int64_t t) {        // token t's row of this KV head in the cache
+        return table[t / block_size] * c_block + (t % block_size) * c_tok + it.kv_head * c_head;
+      };
+      for (int64_t t0 = 0; t0 < end; t0 += kKeys) {
+        // Keys past `end` are zeros, not whatever the cache holds there: p is 0 for them,
+        // but 0 times a stale NaN is still NaN.
+        for (int64_t j = 0; j < kKeys; ++j) {
+          float* kr = kt + j * dim_pad;
+          float* vr = vt + j * dim_pad;
+          const int64_t t = t0 + j;
+          if (t >= end) {
+            std::fill(kr, kr + head_dim, 0.f);
+            std::fill(vr, vr + head_dim, 0.f);
+            continue;
+          }
+          const int64_t off = row_of(t);
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kr[d] = static_cast<float>(k_data[off + d]);
+            vr[d] = static_cast<float>(v_data[off + d]);
+          }
+          // The next tile's row, requested while this tile computes: blocks are scattered,
+          // so the hardware prefetcher alone restarts at every block.
+          if (t + kKeys < end) {
+            const int64_t ahead = row_of(t + kKeys);
+            for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(k_data + ahead) + byte);
+              __builtin_prefetch(reinterpret_cast<const char*>(v_data + ahead) + byte);
+            }
+          }
+        }
+        const int32_t key0 = static_cast<int32_t>(t0);
+        for (int64_t b = 0; b < width; b += kLanes) {
+          // Scores of kKeyBlock keys at a time in registers: per d, one q vector load serves
+          // kKeyBlock broadcast multiply-adds.
+          for (int64_t j0 = 0; j0 < kKeys; j0 += kKeyBlock) {
+            float s[kKeyBlock][kLanes] = {};
+            for (int64_t d = 0; d < head_dim; ++d) {
+              const float* qd = &qt[d * width + b];
+              for (int64_t j = 0; j < kKeyBlock; ++j) {
+                const float kd = kt[(j0 + j) * dim_pad + d];
+#pragma omp simd
+                for (int64_t i = 0; i < kLanes; ++i) s[j][i] += kd * qd[i];
+              }
+            }
+            for (int64_t j = 0; j < kKeyBlock; ++j) {
+              const int32_t key = key0 + static_cast<int32_t>(j0 + j);
+#pragma omp simd
+              for (int64_t i = 0; i < kLanes; ++i) p[j0 + j][i] = key <= pos[b + i] ? s[j][i] : kMasked;
+            }
+          }
+          // Online softmax, lane-wise: rescale what came before by exp(old max - new max).
+          float mx[kLanes], alpha[kLanes], sum[kLanes];
+#pragma omp simd
+          for (int64_t i = 0; i < kLanes; ++i) mx[i] = m[b + i];
+          for (int64_t j = 0; j < kKeys; ++j)
+#pragma omp simd
+            for (int64_t i = 0; i < kLanes; ++i) mx[i] = std::max(mx[i], p[j][i]);
+#pragma omp simd
+          for (int64_t i = 0; i < kLanes; ++i) {
+            alpha[i] = std::exp(m[b + i] - mx[i]);
+            m[b + i] = mx[i];
+            sum[i] = 0.f;
+          }
+          for (int64_t j = 0; j < kKeys; ++j)
+#pragma omp simd
+            for (int64_t i = 0; i < kLanes; ++i) {
+              p[j][i] = std::exp(p[j][i] - mx[i]);  // a masked key: exp(-1e30 - max) = 0
+              sum[i] += p[j][i];
+            }
+#pragma omp simd
+          for (int64_t i = 0; i < kLanes; ++i) l[b + i] = l[b + i] * alpha[i] + sum[i];
+          // acc[d][lane] = alpha * acc + sum over keys of v[key][d] * p[key][lane], kDimBlock
+          // rows of acc in registers while the tile's keys go by.
+          for (int64_t d0 = 0; d0 < dim_pad; d0 += kDimBlock) {
+            float a[kDimBlock][kLanes];
+            for (int64_t dd = 0; dd < kDimBlock; ++dd)
+#pragma omp simd
+              for (int64_t i = 0; i < kLanes; ++i) a[dd][i] = acc[(d0 + dd) * width + b + i] * alpha[i];
+            // Unrolled, or GCC keeps `a` on the stack: up to 1.4x slower at head_dim 64.
+#pragma GCC unroll 16
+            for (int64_t j = 0; j < kKeys; ++j)
+              for (int64_t dd = 0; dd < kDimBlock; ++dd) {
+                const float vd = vt[j * dim_pad + d0 + dd];
+#pragma omp simd
+                for (int64_t i = 0; i < kLanes; ++i) a[dd][i] += vd * p[j][i];
+              }
+            for (int64_t dd = 0; dd < kDimBlock; ++dd)
+#pragma omp simd
+              for (int64_t i = 0; i < kLanes; ++i) acc[(d0 + dd) * width + b + i] = a[dd][i];
+          }
+        }
+      }
+      for (int64_t i = 0; i < lanes; ++i) {
+        scalar_t* dst = o_data + (first_row + i / group) * o_tok + (first_head + i % group) * o_head;
+        const float inv = 1.f / l[i];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d * width + i] * inv);
+      }
+    }
+  });
+}
+
+void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && q.sizes() == out.sizes(), "bad shapes");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must share a layout");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the cache disagree on head_dim");
+  for (const at::Tensor* t : {&block_table, &query_start, &context_lens})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "block_table/query_start/context_lens: contiguous int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == context_lens.size(0) &&
+              query_start.size(0) == context_lens.size(0) + 1, "one block table row and context length per span");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type() &&
+              q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    prefill_attention<scalar_t>(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(treadle, m) {
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_table, Tensor query_start, Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(treadle, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

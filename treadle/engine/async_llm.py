@@ -1,7 +1,7 @@
 """AsyncLLM: the online engine API for asyncio (streaming generation and the RL controls).
 
-The engine core steps on its own thread (EngineCoreThread); this object lives on the caller's
-event loop. Tokenizing, detokenizing and stop strings happen here, on the loop; the core thread
+The engine core is built and steps on its own thread (EngineCoreThread); this object lives on
+the caller's event loop. Tokenizing, detokenizing and stop strings happen here, on the loop; the core thread
 hands each step's outputs over with `call_soon_threadsafe`.
 """
 
@@ -44,13 +44,14 @@ class AsyncLLM:
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.metrics = PrometheusMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics.requests)
-        self.core = EngineCore(self.config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pause_mode: PauseMode | None = None
         self._pause_lock: asyncio.Lock | None = None
         self._dead: BaseException | None = None
-        self._core = EngineCoreThread(self.core, self._outputs_from_thread, self._error_from_thread)
+        self._core = EngineCoreThread(lambda: EngineCore(self.config), self._outputs_from_thread,
+                                      self._error_from_thread)
+        self.core = self._core.core
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -1,8 +1,15 @@
 """Runs an EngineCore's step loop on a background thread.
 
-Only this thread touches the core. Other threads submit calls, which run between steps in the
-order they were submitted, and get a concurrent.futures.Future back. Outputs are handed to a
-callback after every step; the thread sleeps while the core has nothing to do.
+Only this thread touches the core, and it builds the core too. Other threads submit calls,
+which run between steps in the order they were submitted, and get a concurrent.futures.Future
+back. Outputs are handed to a callback after every step; the thread sleeps while the core has
+nothing to do.
+
+Why the core is built here: each thread that runs torch's parallel CPU ops gets an OpenMP team
+of its own. Loading the model on the caller's thread left that thread a second, idle team, and
+libgomp, seeing more threads than cores, then spins only briefly at each barrier before it
+sleeps. The forward pass ran about 25% slower (batch-1 TPOT 30 against 24 ms, fp32, 2 cores;
+docs/benchmarks.md). With one thread doing all the torch work there is one team.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ ErrorCallback = Callable[[BaseException], None]
 
 
 class EngineCoreThread:
-    def __init__(self, core: EngineCore, on_outputs: OutputCallback, on_error: ErrorCallback) -> None:
-        self.core = core
+    def __init__(self, make_core: Callable[[], EngineCore], on_outputs: OutputCallback,
+                 on_error: ErrorCallback) -> None:
+        """Builds the core with `make_core()` on the new thread; raises what that raised."""
         self._on_outputs = on_outputs
         self._on_error = on_error
         self._calls: queue.SimpleQueue[tuple[Callable, tuple, dict, Future] | None] = queue.SimpleQueue()
@@ -33,8 +41,21 @@ class EngineCoreThread:
         self._stopping = False
         self._failure: BaseException | None = None   # what killed the core, if anything did
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="treadle-engine-core", daemon=True)
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._build_and_run, args=(make_core, built),
+                                        name="treadle-engine-core", daemon=True)
         self._thread.start()
+        built.result()   # waits for the core; raises what building it raised
+
+    def _build_and_run(self, make_core: Callable[[], EngineCore], built: Future) -> None:
+        try:
+            core = make_core()
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        self.core: EngineCore = core
+        built.set_result(core)
+        self._run()
 
     def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
         """Run fn(*args, **kwargs) on the engine thread, between two steps."""

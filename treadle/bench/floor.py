@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treadle.bench.throughput import machine, make_workload
+from treadle.bench.throughput import check_at_least, machine, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,7 @@ def main(ns: argparse.Namespace) -> int:
     from treadle import LLM, SamplingParams
     from treadle.entrypoints.cli import engine_args_from
 
-    for name, low in (("input_len", 1), ("output_len", 2), ("num_iters", 1), ("copy_mib", 64)):
-        if getattr(ns, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(ns, name)}")
+    check_at_least(ns, input_len=1, output_len=2, num_iters=1, copy_mib=64)
     engine_args = engine_args_from(ns)
     llm = LLM(**engine_args)
     model = llm.engine.core.executor.worker.runner.model

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from treadle.bench.throughput import machine, make_workload
+from treadle.bench.throughput import check_at_least, machine, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,7 @@ def main(ns: argparse.Namespace) -> int:
     from treadle import LLM, SamplingParams
     from treadle.entrypoints.cli import engine_args_from
 
-    for name in ("prefix_len", "suffix_len", "num_requests"):
-        if getattr(ns, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    check_at_least(ns, prefix_len=1, suffix_len=1, num_requests=1)
     engine_args = engine_args_from(ns) | {"enable_prefix_caching": False}
     engine_args.pop("kv_transfer_config", None)   # this bench sets up its own
     if engine_args.get("max_model_len") is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from treadle.bench.throughput import machine, make_workload
+from treadle.bench.throughput import check_at_least, machine, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-json", default=None, metavar="PATH", help="also save the figures here")
 
 
-def _check(name: str, value: int, low: int) -> None:
-    if value < low:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-
-
 def summarize(latencies: list[float]) -> dict[str, float]:
     a = np.asarray(latencies)
     return {"mean_s": float(a.mean()), "median_s": float(np.median(a)),
@@ -49,9 +44,7 @@ def main(ns: argparse.Namespace) -> int:
     from treadle import LLM, SamplingParams
     from treadle.entrypoints.cli import engine_args_from
 
-    for name, low in (("input_len", 1), ("output_len", 1), ("batch_size", 1), ("num_iters", 1),
-                      ("num_iters_warmup", 0)):
-        _check(name, getattr(ns, name), low)
+    check_at_least(ns, input_len=1, output_len=1, batch_size=1, num_iters=1, num_iters_warmup=0)
     engine_args = engine_args_from(ns)
     seed = engine_args.get("seed") or 0
     host = machine()

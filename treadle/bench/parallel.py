@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from treadle.bench.throughput import machine, make_workload
+from treadle.bench.throughput import check_at_least, machine, make_workload
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -132,11 +132,8 @@ def prefill(engine_args: dict[str, Any], ns: argparse.Namespace) -> dict[str, An
 def main(ns: argparse.Namespace) -> int:
     from treadle.entrypoints.cli import engine_args_from
 
-    for name in ("prompt_len", "num_prompts", "decode_batch", "decode_tokens", "rpc_calls"):
-        if getattr(ns, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
-    if ns.pp < 2:
-        raise ValueError(f"--pp must be >= 2, got {ns.pp}")
+    check_at_least(ns, prompt_len=1, num_prompts=1, decode_batch=1, decode_tokens=1, rpc_calls=1,
+                   pp=2)
     engine_args = engine_args_from(ns) | {"enable_prefix_caching": False}
     for key in ("pipeline_parallel_size", "tensor_parallel_size", "distributed_executor_backend"):
         engine_args.pop(key, None)   # this bench sets them

@@ -230,6 +230,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
             "mean_common_prefix_fraction": float(np.mean(prefixes)) if prefixes else 1.0}
 
 
+def check_at_least(ns: argparse.Namespace, **lows: int) -> None:
+    """ValueError naming the flag if any `ns.<name>` is below its low bound."""
+    for name, low in lows.items():
+        value = getattr(ns, name)
+        if value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:

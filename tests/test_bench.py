@@ -68,3 +68,19 @@ def test_bench_floor_counts_the_weights_a_step_reads(tiny_checkpoints, tmp_path,
     assert report["tpot_over_floor"] == pytest.approx(report["tpot_ms_median"] / report["floor_ms"])
     with pytest.raises(SystemExit):   # --output-len below 2 has no decode step to time
         main(["bench", "floor", "--model", path, "--output-len", "1"])
+
+
+def test_bench_structured_times_both_runs_and_the_compile(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "structured.json"
+    assert main(["bench", "structured", "--model", tiny_checkpoints["llama"], "--batch-sizes",
+                 "1,3", "--input-len", "6", "--output-len", "5", "--num-iters", "1",
+                 "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["steps"]) == {"1", "3"}
+    for r in report["steps"].values():
+        assert r["free"] > 0 and r["json_schema"] > 0
+        assert r["ratio"] == pytest.approx(r["json_schema"] / r["free"])
+    assert 0 < report["compile"]["compile_cached_s"] <= report["compile"]["compile_cold_s"]
+    assert "compile cold" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "structured", "--model", tiny_checkpoints["llama"], "--batch-sizes", "0"])

@@ -5,8 +5,8 @@ from treadle.engine.async_llm import AsyncLLM
 from treadle.engine.errors import EngineBusyError, EngineDeadError
 from treadle.engine.llm import LLM
 from treadle.outputs import CompletionOutput, Logprob, RequestOutput
-from treadle.sampling_params import RequestOutputKind, SamplingParams
+from treadle.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "EngineBusyError", "EngineDeadError", "SamplingParams", "RequestOutputKind", "EngineArgs", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+           "CompletionOutput", "Logprob", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -132,6 +132,21 @@ class KVTransferConfig:
         return config
 
 
+@dataclass
+class StructuredOutputsConfig:
+    """`structured_outputs_config={"backend": "xgrammar" | "guidance"}`, as in vLLM."""
+
+    backend: str = "xgrammar"
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | str) -> "StructuredOutputsConfig":
+        from treadle.structured_output.backend import backend_class
+
+        config = cls(**_json_fields("structured_outputs_config", spec, cls))
+        backend_class(config.backend)   # an unknown name: ValueError
+        return config
+
+
 EXECUTOR_BACKENDS = ("uni", "mp")   # "ray" is the next one (executor/__init__.py)
 
 
@@ -182,6 +197,8 @@ class TreadleConfig:
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = dataclasses.field(
+        default_factory=StructuredOutputsConfig)
 
 
 def _default_device() -> str:
@@ -206,6 +223,7 @@ class EngineArgs:
     async_scheduling: bool = False
     speculative_config: dict[str, Any] | str | None = None
     kv_transfer_config: dict[str, Any] | str | None = None
+    structured_outputs_config: dict[str, Any] | str | None = None
     seed: int = 0
     device: str | None = None
     pipeline_parallel_size: int = 1
@@ -226,6 +244,7 @@ class EngineArgs:
         kv_transfer = (KVTransferConfig.from_dict(self.kv_transfer_config)
                        if self.kv_transfer_config is not None else None)
         parallel = self._parallel_config()
+        structured = StructuredOutputsConfig.from_dict(self.structured_outputs_config or {})
         if kv_transfer is not None and parallel.world_size > 1:
             raise ValueError("kv_transfer_config with more than one worker is not supported yet: "
                              "use pipeline_parallel_size=1 and tensor_parallel_size=1")
@@ -280,7 +299,8 @@ class EngineArgs:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported: drop speculative_config or use one stage")
         return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
-                             speculative=spec_cfg, kv_transfer=kv_transfer, parallel=parallel)
+                             speculative=spec_cfg, kv_transfer=kv_transfer, parallel=parallel,
+                             structured_outputs=structured)
 
     def _parallel_config(self) -> ParallelConfig:
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
@@ -378,5 +398,5 @@ def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None) 
 
 
 __all__ = ["EngineArgs", "TreadleConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
-           "SpeculativeConfig", "KVTransferConfig", "ParallelConfig",
+           "SpeculativeConfig", "KVTransferConfig", "ParallelConfig", "StructuredOutputsConfig",
            "num_blocks_from_budget", "max_steps_in_flight"]

@@ -13,6 +13,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from treadle.structured_output.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
 
@@ -67,6 +69,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
+    # A JSON schema, regex, choice or grammar the output must follow (a dict is converted).
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # Free-form arguments for extensions, as in vLLM; a KV connector reads
     # extra_args["kv_transfer_params"] (what the prefill side handed back, for P/D).
     extra_args: dict[str, Any] | None = None
@@ -111,6 +115,23 @@ class SamplingParams:
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
         self.output_kind = self._output_kind(self.output_kind)
+        self._structured_outputs()
+
+    def _structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {_describe(self.structured_outputs)}")
+        # The grammar decides where the output may end; these would overrule it.
+        if self.min_tokens:
+            raise ValueError("min_tokens must be 0 with structured_outputs (the grammar decides "
+                             f"where the output may end), got {self.min_tokens}")
+        if self.ignore_eos:
+            raise ValueError("ignore_eos must be False with structured_outputs (the grammar "
+                             "decides where the output may end)")
 
     @staticmethod
     def _int(name: str, value: Any, minimum: int | None = None, rule: str | None = None) -> int:

@@ -83,6 +83,15 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self.check_request(request)
+        seed = request.sampling_params.seed
+        self._generator_seeds[request.request_id] = (
+            seed if seed is not None else self._seed_rng.getrandbits(62))
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError if `request` could never be added (its id in use, too long)."""
         if any(request.request_id in held for held in (self.requests, self.free_after_load,
                                                         self.sending)):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
@@ -94,11 +103,6 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens needs more KV blocks than the cache has "
                 f"({self.kv_cache.pool.num_usable_blocks} blocks of {self.block_size})")
-        seed = request.sampling_params.seed
-        self._generator_seeds[request.request_id] = (
-            seed if seed is not None else self._seed_rng.getrandbits(62))
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the step loop (abort, stop string found by the detokenizer)."""

@@ -24,6 +24,8 @@ from treadle.executor import create_executor
 from treadle.executor.mp import WorkerFailedError
 from treadle.kv_transfer import KVConnectorRole, create_connector
 from treadle.request import Request, RequestStatus
+from treadle.structured_output.backend import get_backend
+from treadle.structured_output.gate import GrammarGate
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class EngineCore:
                     num_blocks, cache.block_size,
                     num_blocks * cache.bytes_per_block(model) / 2**20,
                     capacity / model.max_model_len, model.max_model_len)
+        # Requests whose grammar is compiling: in the engine, not yet in the scheduler.
+        self.grammars = GrammarGate(lambda: get_backend(
+            config.structured_outputs.backend, model.model, model.vocab_size))
         self.async_scheduling = config.scheduler.async_scheduling
         self.max_steps_in_flight = max_steps_in_flight(config)
         # A step returns at once (sync, one stage) or later, through its .result().
@@ -66,41 +71,48 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        if request.request_id in self.grammars:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+        else:
+            self.scheduler.check_request(request)
+            self.grammars.hold(request)
 
     def add_requests(self, requests: list[Request]) -> None:
         """All of a user request's samples (n > 1), or none of them."""
         added = []
         try:
             for r in requests:
-                self.scheduler.add_request(r)
+                self.add_request(r)
                 added.append(r.request_id)
         except Exception:
             self.abort_requests(added)
             raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.grammars.drop(request_ids)
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self.grammars) > 0
 
     def is_idle(self) -> bool:
-        return not self.scheduler.has_unfinished_requests() and not self.batch_queue
+        return not self.has_unfinished_requests() and not self.batch_queue
 
     def has_work(self) -> bool:
-        """Whether step() would do anything now."""
-        return bool(self._pending or self.batch_queue
+        """Whether step() would do anything now (a compile still running is not work)."""
+        return bool(self._pending or self.batch_queue or self.grammars.has_compiled()
                     or (self._can_schedule() and self.scheduler.has_unfinished_requests()))
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule a step if there is room in the batch queue, then account for the oldest one
         once the queue is full (or nothing more can be scheduled); returns what requests produced."""
-        outputs = self.take_pending_outputs()
+        outputs = self.take_pending_outputs() + self._release_compiled()
         scheduled = False
         if (self._can_schedule() and len(self.batch_queue) < self.max_steps_in_flight
                 and self.scheduler.has_unfinished_requests()):
@@ -119,10 +131,20 @@ class EngineCore:
                 # Every known request fits on its own, so an idle step with work waiting is a bug.
                 raise RuntimeError("scheduler made no progress with requests waiting")
         if not self.batch_queue:
+            if not outputs and len(self.grammars) and not self.scheduler.has_unfinished_requests():
+                self.grammars.wait(timeout=0.1)   # nothing to run until a grammar compiles
             return outputs
         if scheduled and len(self.batch_queue) < self.max_steps_in_flight:
             return outputs  # room for one more step before waiting on the oldest
         return outputs + self._finish_oldest_step()
+
+    def _release_compiled(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled go to the scheduler; a failed compile ends its request."""
+        ready, failed = self.grammars.take_compiled()
+        for request in ready:
+            self.scheduler.add_request(request)
+        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason="error",
+                                 stop_reason=message) for r, message in failed]
 
     def _can_schedule(self) -> bool:
         return not self.paused and not self.asleep
@@ -193,7 +215,7 @@ class EngineCore:
 
     def abort_all(self) -> list[EngineCoreOutput]:
         """Abort every request; returns a final output (finish_reason "abort") for each."""
-        ids = list(self.scheduler.requests)
+        ids = list(self.scheduler.requests) + self.grammars.request_ids()
         self.abort_requests(ids)
         return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in ids]
 
@@ -273,7 +295,8 @@ class EngineCore:
         """Once the engine has failed: a final output (finish_reason "error", the reason as its
         stop_reason) for every request it had not finished."""
         return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
-                                 stop_reason=reason) for rid in self.scheduler.requests]
+                                 stop_reason=reason)
+                for rid in list(self.scheduler.requests) + self.grammars.request_ids()]
 
     def failure(self) -> str | None:
         """Why the engine cannot serve, or None: a worker group that died and will not be
@@ -289,4 +312,5 @@ class EngineCore:
         return self.executor.collective_rpc(method, args, kwargs)
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()

@@ -54,6 +54,8 @@ class EngineCoreThread:
             built.set_exception(exc)
             return
         self.core: EngineCore = core
+        # A finished compile is work for a thread that may be asleep on its call queue.
+        core.grammars.on_compiled = lambda: self.submit(lambda: None)
         built.set_result(core)
         self._run()
 

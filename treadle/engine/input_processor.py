@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any, Union
 
 from treadle.config import TreadleConfig
+from treadle.models.loader import default_eos_token_id
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
+from treadle.structured_output.backend import backend_class
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -18,11 +20,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.model.vocab_size
-        eos = tokenizer.eos_token_id
-        if eos is None:
-            eos = getattr(config.model.hf_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, list) else eos
-        self.eos_token_id: int | None = eos
+        self.eos_token_id = default_eos_token_id(tokenizer, config.model.hf_config)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Accepts a str, {"prompt": str}, {"prompt_token_ids": [...]} or a list of token ids."""
@@ -65,6 +63,8 @@ class InputProcessor:
         for t in params.stop_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:   # the engine's message, before the engine
+            backend_class(self.config.structured_outputs.backend).validate(params.structured_outputs)
         max_len = self.config.model.max_model_len
         if num_prompt_tokens >= max_len:
             raise ValueError(

@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                        help='a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
                             '"kv_role": "kv_both", "kv_connector_extra_config": '
                             '{"shared_storage_path": "/tmp/kv"}}\'')
+    group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                       help='the grammar engine for structured outputs: \'{"backend": '
+                            '"xgrammar"}\' (default) or "guidance"')
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
@@ -252,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     from treadle.bench import (floor, kv_transfer, latency, parallel, serve as bench_serve,
-                               spec_decode, throughput)
+                               spec_decode, structured, throughput)
     for name, module, text, takes_engine_args in (
             ("throughput", throughput, "offline throughput on a synthetic workload", True),
             ("latency", latency, "end-to-end latency of one batch", True),
@@ -261,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("kv", kv_transfer, "TTFT of a long prefix loaded from a KV store vs recomputed", True),
             ("parallel", parallel, "mp executor step overhead; pipeline stages on long prefills",
              True),
+            ("structured", structured, "the cost of a JSON-schema constraint per step, and "
+             "of compiling one", True),
             ("serve", bench_serve, "drive a running server over HTTP (TTFT, TPOT, ITL)", False)):
         p = bench_sub.add_parser(name, help=text, description=module.__doc__)
         module.add_cli_args(p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import shutil
@@ -33,6 +34,8 @@ from treadle.executor.mp_worker import SHUTDOWN, RemoteError, dumps, worker_main
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
+# How long a failed step waits for another rank's death to show, before blaming the step.
+DEATH_GRACE_S = 0.2
 
 
 class WorkerFailedError(EngineDeadError):
@@ -144,6 +147,9 @@ class MultiprocExecutor:
         _, message = self._sock.recv_multipart()
         call_id, rank, ok, value = pickle.loads(message)
         if not ok and call_id not in self._control_calls:
+            # A rank whose peer died fails on the broken connection: report the death, the cause.
+            multiprocessing.connection.wait([p.sentinel for p in self.procs], DEATH_GRACE_S)
+            self._check_processes()
             what = "failed to start" if starting else "failed a step"
             self._fail(f"worker rank {rank} {what}: {value.kind}: {value.message}", value)
         self._replies[(call_id, rank)] = (ok, value)

@@ -102,6 +102,15 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_path)
 
 
+def default_eos_token_id(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig) -> int | None:
+    """The token that ends a request's output: the tokenizer's EOS, else the config's first."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, list) else eos
+    return eos
+
+
 @functools.lru_cache(maxsize=4)
 def _gguf_config(key: tuple[str, int, int]) -> PretrainedConfig:
     from transformers import AutoConfig

@@ -18,6 +18,7 @@ from treadle.kernels.cpu import cpu_kernels_available
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
+from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
 from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
@@ -47,6 +48,7 @@ class ModelRunner:
         self.gather_buffer = GatherBuffer()
         self.native_kernels = cpu_kernels_available(self.device)
         self.slots: RequestSlots | None = None
+        self.grammars: GrammarMatchers | None = None   # where this rank samples
         self.sampler = Sampler(self.device)
         spec = config.speculative
         self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
@@ -85,6 +87,8 @@ class ModelRunner:
         max_blocks_per_req = -(-cfg.max_model_len // self.block_size)
         self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
                                   max_blocks_per_req)
+        if self.ctx.is_last_stage:
+            self.grammars = GrammarMatchers(self.config, self.slots)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block here: this stage's layers, this rank's KV heads."""
@@ -120,7 +124,9 @@ class ModelRunner:
             slots.remove(rid)
         new_blocks: list[int] = []
         for new in so.scheduled_new_reqs:
-            slots.add(new, self.step)
+            slot = slots.add(new, self.step)
+            if self.grammars is not None:
+                self.grammars.attach(slot, new)
             new_blocks += new.block_ids
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
@@ -225,8 +231,8 @@ class ModelRunner:
         if self.proposer is not None:
             for r in np.flatnonzero(samples):
                 slot = int(idx[r])
-                draft_token_ids[req_ids[r]] = self.proposer.propose(
-                    slots.token_ids[slot, :slots.num_tokens[slot]])
+                draft_token_ids[req_ids[r]] = self.grammars.valid_drafts(slot, self.proposer.propose(
+                    slots.token_ids[slot, :slots.num_tokens[slot]]))
 
         prompt_logprobs = self._prompt_logprobs(req_ids, idx, starts, q_lens, ctx, hidden)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
@@ -268,14 +274,16 @@ class ModelRunner:
                 sampling_rows.append(SamplingRow(slots.params[slot], slots.seeds[slot],
                                                  slots.prompt_ids(slot), history, slots.eos_token_ids[slot]))
         logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
-        tokens, token_lps = self.sampler(logits, sampling_rows)
+        tokens, token_lps = self.sampler(logits, sampling_rows,
+                                         self.grammars.bitmask(slot_ids, drafts))
         out_tokens, out_lps = [], []
         pos = 0
-        for d in drafts:
+        for slot, d in zip(slot_ids, drafts):
             accepted = 0
             while accepted < len(d) and tokens[pos + accepted] == d[accepted]:
                 accepted += 1
             out_tokens.append(tokens[pos:pos + accepted + 1])
+            self.grammars.accept(int(slot), out_tokens[-1])
             lps = token_lps[pos:pos + accepted + 1]
             out_lps.append(None if lps[0] is None else lps)
             pos += len(d) + 1

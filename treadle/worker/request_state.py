@@ -1,7 +1,7 @@
 """Persistent per-request slots in the model runner.
 
 A slot is reused as requests come and go. `add` initialises every field for the new tenant,
-so nothing from the previous one (its tokens, blocks, counters, seed) can leak into it.
+so nothing from the previous one (its tokens, blocks, counters, seed, grammar) can leak into it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import numpy as np
 
 from treadle.core.scheduler_output import NewRequestData
 from treadle.sampling_params import SamplingParams
+from treadle.structured_output.backend import Matcher
 
 
 class RequestSlots:
@@ -25,6 +26,8 @@ class RequestSlots:
         self.seeds = [0] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
+        # Grammar matchers of constrained requests (worker/grammar.py sets them after add).
+        self.grammar: list[Matcher | None] = [None] * max_num_reqs
         self.added_at_step = np.zeros(max_num_reqs, dtype=np.int64)   # when the tenant came
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))
@@ -45,6 +48,7 @@ class RequestSlots:
         self.seeds[slot] = new.generator_seed
         self.eos_token_ids[slot] = new.eos_token_id
         self.req_ids[slot] = new.req_id
+        self.grammar[slot] = None
         self.added_at_step[slot] = step
         self.slot_of[new.req_id] = slot
         return slot
@@ -55,6 +59,7 @@ class RequestSlots:
             return  # finished before the workers ever saw it
         self.req_ids[slot] = None
         self.params[slot] = None
+        self.grammar[slot] = None
         self._free.append(slot)
 
     def append_blocks(self, slot: int, block_ids: list[int]) -> None:

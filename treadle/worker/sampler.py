@@ -1,4 +1,5 @@
-"""Turns logits into tokens: penalties, min_tokens, temperature, top-k/top-p/min-p, logprobs.
+"""Turns logits into tokens: penalties, min_tokens, grammar masks, temperature,
+top-k/top-p/min-p, logprobs.
 
 Randomness is positional: the noise for a request's k-th output token comes from a generator
 seeded with (request seed, k). A seeded request therefore samples the same tokens whatever else
@@ -14,6 +15,7 @@ import torch
 
 from treadle.core.scheduler_output import TokenLogprobs
 from treadle.sampling_params import SamplingParams
+from treadle.worker.grammar import apply_token_bitmask
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) pairs apart
 _MASK63 = (1 << 63) - 1
@@ -39,8 +41,10 @@ class Sampler:
         self._gen = torch.Generator(device=device)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 grammar_mask: tuple[torch.Tensor, list[int]] | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """`grammar_mask`: (bitmask, the rows it covers) for rows under structured outputs."""
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
@@ -50,6 +54,8 @@ class Sampler:
         for i, row in enumerate(rows):
             self._apply_min_tokens(logits[i], row)
             self._apply_penalties(logits[i], row)
+        if grammar_mask is not None:   # after penalties, before temperature and top-k/top-p
+            apply_token_bitmask(logits, *grammar_mask)
 
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < 1e-5]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]

@@ -7,6 +7,8 @@ import argparse
 import logging
 import os
 
+from treadle.entrypoints.openai.tool_parsers import tool_parser_names
+
 DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                "/v1/chat/completions, ...) plus the RL controls (/pause, /resume, ...). "
                "With no MODEL, the embedded SmolLM2-135M-Instruct.")
@@ -32,6 +34,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT before "
                         "they are aborted [default: 10]")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs '
+                        "--tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="how tool calls look in the model's text [default: none]")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (access log at info) [default: info]")
@@ -43,6 +50,9 @@ def main(ns: argparse.Namespace) -> int:
 
     if ns.model_tag is not None:
         ns.model = ns.model_tag
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"({', '.join(tool_parser_names())})")
     # A server's startup and request logs are its normal output, so they show without -v.
     logging.getLogger("treadle.entrypoints.openai").setLevel(logging.INFO)
     return run_server(ns, engine_args_from(ns))

@@ -35,6 +35,7 @@ from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                   UpdateWeightsRequest)
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.serving_chat import ChatServing
+from treadle.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from treadle.entrypoints.openai.serving_completion import CompletionServing
 from treadle.models.loader import prepare_model
 
@@ -64,10 +65,11 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
               api_key: str | None = None, max_log_len: int | None = None,
-              log_requests: bool = False) -> FastAPI:
-    """The app serving `engine`; it shuts the engine down when the app stops."""
+              log_requests: bool = False, tool_parser: ToolParser | None = None) -> FastAPI:
+    """The app serving `engine`; it shuts the engine down when the app stops. `tool_parser`
+    finds tool calls for tool_choice "auto" (None: "auto" is refused)."""
     serving = OpenAIServing(engine, model_names, max_log_len, log_requests)
-    completions, chat = CompletionServing(serving), ChatServing(serving)
+    completions, chat = CompletionServing(serving), ChatServing(serving, tool_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -316,8 +318,9 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     engine = AsyncLLM(**{**engine_args, "model": model_path})
     phases.append(("engine", process_age()))
     names = ns.served_model_name or [engine_args.get("model") or DEFAULT_SERVED_NAME]
+    tool_parser = get_tool_parser(ns.tool_call_parser) if ns.enable_auto_tool_choice else None
     app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len,
-                    log_requests=ns.enable_log_requests)
+                    log_requests=ns.enable_log_requests, tool_parser=tool_parser)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
     _Server(config, app, engine, ns.shutdown_timeout, phases).run()

@@ -3,6 +3,7 @@ on the engine (streamed or not), usage, and request logging."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -108,18 +109,20 @@ class OpenAIServing:
         except TypeError:  # what the tokenizer raises for text that is not valid Unicode
             raise OpenAIError(400, "prompt is not valid Unicode text", "prompt") from None
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         conversation = [_message_dict(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+                conversation, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise OpenAIError(400, f"the chat template failed on these messages: {e}",
                               "messages") from None
 
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool
-                    ) -> tuple[str, list[int]]:
-        text = self.render_chat(messages, add_generation_prompt)
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        text = self.render_chat(messages, add_generation_prompt, tools)
         # The template already holds the special tokens; encoding must not add more.
         return text, self.encode(text, add_special_tokens=False)
 
@@ -131,6 +134,9 @@ class OpenAIServing:
         kwargs.setdefault("temperature", _DEFAULT_TEMPERATURE)
         if req.kv_transfer_params is not None:
             kwargs["extra_args"] = {"kv_transfer_params": req.kv_transfer_params}
+        structured = _structured_outputs(req)
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
         kwargs.update(overrides)
         try:
             return SamplingParams(output_kind=output_kind, **kwargs)
@@ -185,6 +191,22 @@ class OpenAIServing:
                    params)
 
 
+def _structured_outputs(req: SamplingFields) -> dict[str, Any] | None:
+    """The request's constraint, from vLLM's structured_outputs or OpenAI's response_format."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return req.structured_outputs
+    if req.structured_outputs is not None:
+        raise OpenAIError(400, "set response_format or structured_outputs, not both",
+                          "structured_outputs")
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema",
+                          "response_format")
+    return {"json": fmt.json_schema.json_schema}
+
+
 def usage(outputs: list[RequestOutput], count_completion: bool = True) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -212,7 +234,21 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     message: dict[str, Any] = {"role": m.role, "content": content or ""}
     if m.name is not None:
         message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        # Templates read the arguments as a mapping, as transformers documents them.
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls]
     return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 async def _sse(request_id: str, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -17,13 +17,16 @@ from treadle.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
                                                   DeltaMessage)
 from treadle.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, clamp_logprob, usage
 from treadle.entrypoints.openai.streams import PromptStreams
+from treadle.entrypoints.openai.tool_parsers import ToolParser
+from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_constraint
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind
 
 
 class ChatServing:
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, tool_parser: ToolParser | None = None) -> None:
         self.serving = serving
+        self.tool_parser = tool_parser   # for tool_choice "auto"; None: "auto" is refused
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         serving = self.serving
@@ -31,32 +34,50 @@ class ChatServing:
         serving.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        text, ids = serving.encode_chat(req.messages, req.add_generation_prompt)
+        tool_choice = tool_choice_of(req, self.tool_parser)
+        overrides = {}
+        if (constraint := tool_constraint(req, tool_choice)) is not None:
+            if req.structured_outputs is not None or (req.response_format is not None
+                                                      and req.response_format.type != "text"):
+                raise OpenAIError(400, "tool_choice \"required\" or a named function cannot be "
+                                       "combined with response_format or structured_outputs",
+                                  "tool_choice")
+            overrides["structured_outputs"] = constraint
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        text, ids = serving.encode_chat(req.messages, req.add_generation_prompt, tools)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
-            max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+            max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            **overrides)
         serving.validate(params, ids)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        render = _Renderer(serving, req, request_id)
+        render = _Renderer(serving, req, request_id,
+                           lambda: ToolCalls(tool_choice, self.tool_parser))
         return await serving.run(raw, request_id, [{"prompt": text, "prompt_token_ids": ids}],
                                  params, req.priority, req.stream, render.response, render.chunks)
 
 
 class _Renderer:
-    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, request_id: str) -> None:
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, request_id: str,
+                 tool_calls: Callable[[], ToolCalls]) -> None:
         self.serving = serving
         self.req = req
         self.id = request_id
         self.created = int(time.time())
+        self.tool_calls = tool_calls   # a fresh one per choice
 
     def response(self, finals: list[RequestOutput]) -> Response:
         out = finals[0]
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(c.token_ids, c.logprobs),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            content, calls = self.tool_calls().extract(c.text)
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=self._logprobs(c.token_ids, c.logprobs),
+                finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+                stop_reason=c.stop_reason))
         body = ChatCompletionResponse(id=self.id, created=self.created,
                                       model=self.serving.model_name, choices=choices,
                                       usage=usage(finals), kv_transfer_params=out.kv_transfer_params)
@@ -65,32 +86,40 @@ class _Renderer:
     async def chunks(self, firsts: list[RequestOutput], streams: PromptStreams
                      ) -> AsyncIterator[ChatCompletionChunk]:
         progress = [ChoiceProgress() for _ in range(self.req.n)]
+        tool_calls = [self.tool_calls() for _ in range(self.req.n)]
         # As OpenAI does: each choice opens with the role and empty content.
         yield self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant",
                                                                         content=""))
                            for k in range(self.req.n)])
         latest = firsts[0]
-        if (chunk := self._delta_chunk(progress, latest)) is not None:
+        if (chunk := self._delta_chunk(progress, tool_calls, latest)) is not None:
             yield chunk
         async for _, out in streams:
             latest = out
-            if (chunk := self._delta_chunk(progress, out)) is not None:
+            if (chunk := self._delta_chunk(progress, tool_calls, out)) is not None:
                 yield chunk
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield ChatCompletionChunk(id=self.id, created=self.created,
                                       model=self.serving.model_name, choices=[],
                                       usage=usage([latest]))
 
-    def _delta_chunk(self, progress: list[ChoiceProgress], out: RequestOutput
-                     ) -> ChatCompletionChunk | None:
+    def _delta_chunk(self, progress: list[ChoiceProgress], tool_calls: list[ToolCalls],
+                     out: RequestOutput) -> ChatCompletionChunk | None:
         choices = []
         for c in out.outputs:
             delta = progress[c.index].take(c)
-            if delta is not None:
-                choices.append(ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=delta.text),
-                    logprobs=self._logprobs(delta.token_ids, delta.logprobs),
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+            if delta is None:
+                continue
+            calls = tool_calls[c.index]
+            content, call_deltas = calls.feed(delta.text, delta.finish_reason is not None)
+            if not content and not call_deltas and delta.finish_reason is None:
+                continue   # held back: a tool call has begun and is not complete
+            choices.append(ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(content=content if content or not call_deltas
+                                                  else None, tool_calls=call_deltas or None),
+                logprobs=self._logprobs(delta.token_ids, delta.logprobs),
+                finish_reason=_finish_reason(delta.finish_reason, calls.num_streamed > 0),
+                stop_reason=delta.stop_reason))
         return self._chunk(choices) if choices else None
 
     def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
@@ -110,6 +139,10 @@ class _Renderer:
             content.append(ChatLogProbsContent(
                 **_logprob(chosen), top_logprobs=[ChatLogProb(**_logprob(lp)) for lp in tops]))
         return ChatLogProbs(content=content)
+
+
+def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    return "tool_calls" if reason == "stop" and called_tools else reason
 
 
 def _logprob(lp) -> dict:

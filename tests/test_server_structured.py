@@ -1,0 +1,231 @@
+"""Structured outputs and tool calling over HTTP: a real `treadle serve` of the embedded
+SmolLM2-135M-Instruct, driven by the unmodified openai SDK (its streaming helper assembles the
+tool-call deltas, so they must arrive as OpenAI sends them)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from treadle import LLM, SamplingParams
+from treadle.entrypoints.openai.errors import OpenAIError
+from treadle.entrypoints.openai.protocol import ChatCompletionRequest
+from treadle.entrypoints.openai.tool_parsers import get_tool_parser
+from treadle.entrypoints.openai.tools import tool_choice_of
+
+from tests.test_server import ENGINE_ARGS, MODEL, Server, assert_error
+
+PERSON = {"type": "object", "required": ["name", "age"], "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "required": ["zone"], "properties": {
+        "zone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    srv = Server(smollm2_path, tmp_path_factory.mktemp("server"), "--enable-auto-tool-choice",
+                 "--tool-call-parser", "hermes")
+    yield srv
+    # No block may be held by any request, whatever the tests sent.
+    assert srv.request("POST", "/reset_prefix_cache")[0] == 200, srv.log()
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_path) -> LLM:
+    return LLM(smollm2_path, **ENGINE_ARGS)
+
+
+def test_json_schema_response_format_equals_offline(client, offline):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], temperature=0,
+        max_tokens=60, response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": PERSON, "strict": True}})
+    text = resp.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert resp.choices[0].finish_reason == "stop"
+    want = offline.chat([{"role": "user", "content": "Describe a person."}], SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs={"json": PERSON}), use_tqdm=False)
+    assert text == want[0].outputs[0].text
+
+
+def test_json_object_and_vllm_structured_outputs_on_completions(client):
+    resp = client.completions.create(model=MODEL, prompt="A JSON object about a cat:",
+                                     max_tokens=80, temperature=0,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    if resp.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(resp.choices[0].text), dict)
+    else:   # cut by max_tokens: still the start of an object
+        assert resp.choices[0].text.lstrip().startswith("{")
+    for constraint, check in [
+        ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: len(t) == 8 and t[3] == "-"),
+        ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+        ({"grammar": 'root ::= ("yes" | "no") "!"'}, lambda t: t in ("yes!", "no!")),
+    ]:
+        resp = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=20, n=3,
+                                         temperature=1.0, seed=5,
+                                         extra_body={"structured_outputs": constraint})
+        for choice in resp.choices:
+            assert choice.finish_reason == "stop" and check(choice.text), (constraint, choice.text)
+
+
+def test_streamed_constrained_chat(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}], stream=True,
+        max_tokens=10, extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text in ("red", "green", "blue") and chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"structured_outputs": {"json": {"type": "objectx"}}}, "Unsupported type"),
+    ({"structured_outputs": {"regex": "a(b"}}, "Regex parsing error"),
+    ({"structured_outputs": {"grammar": "root ::= nothing"}}, 'Rule "nothing" is not defined'),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "needs json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "not both"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a+"}, "min_tokens": 2}, "min_tokens must be 0"),
+])
+def test_bad_constraints_are_400s(server, body, message):
+    for path, base in [("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": ASK})]:
+        status, reply = server.request("POST", path, {"model": MODEL, **base, **body})
+        assert_error(status, reply, 400)
+        assert message in reply["error"]["message"], reply
+
+
+def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(client):
+    resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=7, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": "(ab)+c{20}"}})
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 7
+
+
+def _arguments_of(call, tool) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_tool_choice_required(client):
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                          tool_choice="required", temperature=0, max_tokens=120)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    for call in choice.message.tool_calls:
+        _arguments_of(call, tools[call.function.name])
+
+
+def test_tool_choice_required_streamed_equals_whole(client):
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                  temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    streamed = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_named_tool_choice_whole_and_streamed(client):
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    assert whole.message.tool_calls[0].function.name == "get_time"
+    args = _arguments_of(whole.message.tool_calls[0], TIME)
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == args
+
+
+def test_tool_choice_auto_answers_plainly_as_content(client):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER],
+        temperature=0, max_tokens=30)
+    choice = resp.choices[0]
+    assert choice.message.content and not choice.message.tool_calls
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_tool_results_go_back_through_the_template(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                          tool_choice="none", temperature=0, max_tokens=20)
+    assert resp.choices[0].message.content and not resp.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]},
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}},
+     "cannot be combined"),
+    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400s(server, body, message):
+    status, reply = server.request("POST", "/v1/chat/completions",
+                                   {"model": MODEL, "messages": ASK, **body})
+    assert_error(status, reply, 400)
+    assert message in reply["error"]["message"], reply
+
+
+def test_auto_needs_a_parser():
+    req = ChatCompletionRequest(messages=ASK, tools=[WEATHER])
+    with pytest.raises(OpenAIError, match="--enable-auto-tool-choice"):
+        tool_choice_of(req, None)
+
+
+# -- the hermes parser, whole and streamed -----------------------------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ("Hello there.", "Hello there.", []),
+    (CALL, None, [("get_weather", '{"city": "Paris"}')]),
+    ("Let me check. " + CALL + CALL.replace("Paris", "Rome"), "Let me check.",
+     [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')]),
+    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("Use <tool_c", "Use <tool_c", []),
+])
+def test_hermes_parser(text, content, calls):
+    parser = get_tool_parser("hermes")
+    got_content, got_calls = parser.extract(text)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+    for step in (1, 3, 7):   # fed in pieces, the stream gives the same calls and text
+        stream, streamed, text_out = parser.stream(), [], ""
+        for i in range(0, len(text), step):
+            piece, found = stream.feed(text[i:i + step])
+            text_out, streamed = text_out + piece, streamed + found
+        rest, found = stream.finish()
+        text_out, streamed = text_out + rest, streamed + found
+        assert [(c.name, c.arguments) for c in streamed] == calls
+        assert text_out.strip() == (content or "")

@@ -1,0 +1,145 @@
+"""Tool calling in chat: what each tool_choice asks of the engine, and tool calls out of text.
+
+  "none"      the tools go to the chat template; the answer is content.
+  "auto"      the model decides; the --tool-call-parser finds calls in its text.
+  "required"  a JSON-schema constraint: a list of one or more {"name", "parameters"} objects,
+              each naming a given tool, with that tool's parameters schema.
+  a function  a JSON-schema constraint on that function's parameters; the output is its arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from treadle.entrypoints.openai.errors import OpenAIError
+from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaFunctionCall,
+                                                  DeltaToolCall, FunctionCall, NamedToolChoice,
+                                                  ToolCall)
+from treadle.entrypoints.openai.tool_parsers import ParsedCall, ToolCallStream, ToolParser
+
+_ANY_OBJECT = {"type": "object"}
+
+
+def tool_choice_of(req: ChatCompletionRequest, parser: ToolParser | None) -> str | NamedToolChoice:
+    tools = req.tools or []
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {t.function.name for t in tools}:
+            raise OpenAIError(400, f"tool_choice names {choice.function.name!r}, which is not "
+                                   "among the tools", "tool_choice")
+    elif choice == "auto" and parser is None:
+        raise OpenAIError(400, 'tool_choice "auto" needs the server started with '
+                               "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
+    return choice
+
+
+def tool_constraint(req: ChatCompletionRequest, choice: str | NamedToolChoice) -> dict | None:
+    """The structured_outputs a tool_choice needs, or None."""
+    tools = req.tools or []
+    if isinstance(choice, NamedToolChoice):
+        fn = next(t.function for t in tools if t.function.name == choice.function.name)
+        return {"json": fn.parameters or _ANY_OBJECT}
+    if choice != "required":
+        return None
+    items = [{"type": "object", "required": ["name", "parameters"], "properties": {
+                 "name": {"type": "string", "enum": [t.function.name]},
+                 "parameters": t.function.parameters or _ANY_OBJECT}}
+             for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not req.parallel_tool_calls:
+        schema["maxItems"] = 1
+    return {"json": schema}
+
+
+def tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _required_calls(items: list) -> list[ParsedCall]:
+    return [ParsedCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+
+
+class ToolCalls:
+    """Tool calls out of one choice's output under a tool_choice, whole or streamed."""
+
+    def __init__(self, choice: str | NamedToolChoice, parser: ToolParser | None) -> None:
+        self.choice = choice
+        self.parser = parser
+        self.stream: ToolCallStream | None = None
+        self.num_streamed = 0   # tool calls sent so far; the next one's index
+        self._text = ""         # required: the JSON list so far
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a whole output. Text that does not parse as the constraint
+        (an output cut short by max_tokens) stays content."""
+        if isinstance(self.choice, NamedToolChoice):
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return text, []
+            return None, [tool_call(ParsedCall(self.choice.function.name, text))]
+        if self.choice == "required":
+            try:
+                return None, [tool_call(c) for c in _required_calls(json.loads(text))]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                return text, []
+        if self.choice == "auto":
+            content, calls = self.parser.extract(text)
+            return content, [tool_call(c) for c in calls]
+        return text, []
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """(content, tool-call deltas) to stream for `delta` more text."""
+        if isinstance(self.choice, NamedToolChoice):
+            deltas = []
+            if self.num_streamed == 0:
+                self.num_streamed = 1
+                deltas.append(DeltaToolCall(index=0, id=_call_id(), type="function",
+                                            function=DeltaFunctionCall(
+                                                name=self.choice.function.name, arguments="")))
+            if delta:
+                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta)))
+            return "", deltas
+        if self.choice == "required":
+            self._text += delta
+            return "", self._deltas(self._complete_required_items())
+        if self.choice == "auto":
+            self.stream = self.stream or self.parser.stream()
+            content, calls = self.stream.feed(delta)
+            if finished:
+                rest, more = self.stream.finish()
+                content, calls = content + rest, calls + more
+            return content, self._deltas(calls)
+        return delta, []
+
+    def _complete_required_items(self) -> list[ParsedCall]:
+        """Items of the JSON list that are complete and not sent yet."""
+        decoder, text = json.JSONDecoder(), self._text
+        pos = text.find("[") + 1
+        items = []
+        while pos > 0:
+            while pos < len(text) and text[pos] in " \t\n\r,":
+                pos += 1
+            try:
+                item, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                break
+            items.append(item)
+        return _required_calls(items[self.num_streamed:])
+
+    def _deltas(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
+        deltas = []
+        for call in calls:
+            deltas.append(DeltaToolCall(index=self.num_streamed, id=_call_id(), type="function",
+                                        function=DeltaFunctionCall(name=call.name,
+                                                                   arguments=call.arguments)))
+            self.num_streamed += 1
+        return deltas

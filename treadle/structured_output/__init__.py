@@ -1,0 +1,8 @@
+"""Structured outputs: constrain what a request may generate to a JSON schema, a regex, a
+choice or a grammar.
+
+  params.py     StructuredOutputsParams, what a request asks for
+  backend.py    the grammar engines' common interface (xgrammar_backend, guidance_backend)
+  gate.py       engine core: holds a request until its grammar is compiled, off the step path
+  worker/grammar.py (beside the sampler): matchers per request slot, and the token bitmask
+"""

@@ -1,0 +1,80 @@
+"""xgrammar (the default): grammars compiled ahead into per-state token masks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from treadle.structured_output.backend import (GrammarBackend, GrammarError, Matcher,
+                                               choice_grammar, engine_message)
+from treadle.structured_output.params import StructuredOutputsParams
+
+# Threads a compile may use; the engine's own threads are busy stepping the model.
+_COMPILE_THREADS = 2
+
+
+def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    kind, ws = params.kind, not params.disable_any_whitespace
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(json.dumps(params.json), any_whitespace=ws)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=ws)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+class XgrammarBackend(GrammarBackend):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_id)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size,
+            stop_token_ids=[eos_token_id] if eos_token_id is not None else None)
+        # Its cache is keyed by the grammar's text: the same schema compiles once.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        try:
+            _grammar(params)
+        except RuntimeError as e:
+            raise GrammarError(f"invalid structured_outputs.{params.kind}: {engine_message(e)}") from None
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        # The compiler's text-keyed entry points, so that a repeat is a cache hit.
+        kind, ws = params.kind, not params.disable_any_whitespace
+        try:
+            if kind in ("json", "json_object"):
+                schema = json.dumps(params.json) if kind == "json" else '{"type": "object"}'
+                return self.compiler.compile_json_schema(schema, any_whitespace=ws)
+            if kind == "regex":
+                return self.compiler.compile_regex(params.regex)
+            return self.compiler.compile_grammar(
+                choice_grammar(params.choice) if kind == "choice" else params.grammar)
+        except RuntimeError as e:
+            raise GrammarError(f"invalid structured_outputs.{params.kind}: {engine_message(e)}") from None
+
+    def matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]) -> Matcher:
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None))
+
+
+class XgrammarMatcher(Matcher):
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._m = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()

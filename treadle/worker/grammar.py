@@ -1,0 +1,96 @@
+"""Grammar matchers beside the sampler, one per constrained request slot, and the token bitmask.
+
+The rule that keeps masks exact under async scheduling and pipeline stages: a row's mask is
+built from its slot's matcher just before that row is sampled, and a matcher advances only
+here, with tokens this runner has accepted (samples, and drafts that survived verification).
+The runner holds every token the moment it is sampled, before the engine core sees it, so no
+mask is ever built without a token that precedes it: "in flight" means on its way to the
+engine core, never on its way to this sampler. Drafts are matched tentatively and rolled back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treadle.config import TreadleConfig
+from treadle.core.scheduler_output import NewRequestData
+from treadle.structured_output.backend import GrammarBackend, get_backend
+from treadle.worker.request_state import RequestSlots
+
+
+class GrammarMatchers:
+    def __init__(self, config: TreadleConfig, slots: RequestSlots) -> None:
+        self.config = config
+        self.slots = slots
+        self._backend: GrammarBackend | None = None
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:   # in-process, the engine core's: its compile cache is warm
+            model = self.config.model
+            self._backend = get_backend(self.config.structured_outputs.backend, model.model,
+                                        model.vocab_size)
+        return self._backend
+
+    def attach(self, slot: int, new: NewRequestData) -> None:
+        """A matcher for a new tenant, past the output it already has (resumed after preemption)."""
+        params = new.sampling_params.structured_outputs
+        if params is None:
+            return
+        stop_ids = ([new.eos_token_id] if new.eos_token_id is not None else []) + \
+            list(new.sampling_params.stop_token_ids)
+        matcher = self.backend.matcher(self.backend.compile(params), stop_ids)
+        for t in new.token_ids[new.num_prompt_tokens:]:
+            accepted = matcher.accept(int(t))
+            assert accepted, f"{new.req_id}: its own output token {t} breaks its grammar"
+        self.slots.grammar[slot] = matcher
+
+    def bitmask(self, slot_ids: np.ndarray, drafts: list[list[int]]
+                ) -> tuple[torch.Tensor, list[int]] | None:
+        """Masks for the sampling rows (1 + k per request, k drafts), as (bitmask, rows it
+        covers); None when no row is constrained. Rows past a request's first draft the grammar
+        refuses stay free: verification stops at that draft, so their samples are never kept."""
+        matchers = [self.slots.grammar[s] for s in slot_ids]
+        if all(m is None for m in matchers):
+            return None
+        bitmask = self.backend.allocate_bitmask(sum(len(d) + 1 for d in drafts))
+        rows: list[int] = []
+        first = 0
+        for matcher, d in zip(matchers, drafts):
+            # A terminated matcher (EOS accepted, its request ending): an async step's leftover.
+            if matcher is not None and not matcher.is_terminated():
+                k = matcher.valid_prefix(d)
+                for j in range(k + 1):
+                    matcher.fill_bitmask(bitmask, first + j)
+                    rows.append(first + j)
+                    if j < k:
+                        matcher.accept(d[j])
+                matcher.rollback(k)
+            first += len(d) + 1
+        return (bitmask[rows], rows) if rows else None
+
+    def accept(self, slot: int, token_ids: list[int]) -> None:
+        matcher = self.slots.grammar[slot]
+        if matcher is None or matcher.is_terminated():
+            return
+        for t in token_ids:
+            accepted = matcher.accept(t)
+            assert accepted, f"slot {slot}: sampled token {t} outside its grammar's mask"
+
+    def valid_drafts(self, slot: int, drafts: list[int]) -> list[int]:
+        """`drafts` cut at the first one the grammar refuses: it could never be accepted."""
+        matcher = self.slots.grammar[slot]
+        if matcher is None or not drafts:
+            return drafts
+        return drafts[:matcher.valid_prefix(drafts)]
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the logits of tokens a row's mask forbids to -inf, in place (bit t: token t allowed)."""
+    allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -8,6 +8,7 @@ scheduler counts what is in flight in tokens per request.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from typing import Any, Callable, Iterable, Literal
@@ -305,7 +306,9 @@ class EngineCore:
         return reason if reason is not None and not can_restart(self) else None
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        # A request whose grammar compiles is waiting too, though not yet in the scheduler.
+        return dataclasses.replace(stats, num_waiting_reqs=stats.num_waiting_reqs + len(self.grammars))
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

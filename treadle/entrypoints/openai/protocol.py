@@ -221,26 +221,26 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class Delta(BaseModel):
+    """A streamed piece carries only what changed: {"content": "..."}, not {"role": null, ...}."""
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class DeltaToolCall(BaseModel):
+class DeltaFunctionCall(Delta):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Delta):
     """One piece of a streamed tool call; the SDK joins the pieces that share an index."""
 
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -261,15 +261,10 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None   # the KV connector's, for P/D
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(Delta):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        # A delta carries only what changed: {"content": "..."}, not {"role": null, ...}.
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench bench-peers clean
+.PHONY: install browser run test bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,16 @@ run: install
 	$(BIN)/treadle generate --max-tokens 64 \
 		"Write a haiku about a loom." "What is the capital of France?"
 
-test: install
+# The console tests drive a real headless Chromium: Debian's chromium and chromedriver.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -q chromium chromium-driver \
+		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; }; \
+	fi
+
+test: install browser
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -98,6 +98,20 @@ def test_smollm2_spec_decode_is_token_exact_and_accepts_drafts(smollm2_spec, smo
     assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1]
 
 
+def test_a_request_can_turn_drafts_off(smollm2_spec, smollm2_path, reference):
+    """extra_args["speculative_decoding"] = False (vLLM's vllm_xargs over HTTP): that request
+    gets no drafts, and its output is the same."""
+    prompt = smollm2_spec.get_tokenizer().encode(REPETITIVE)
+    drafts = smollm2_spec.get_stats().spec_decoding.num_draft_tokens
+    off = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                         extra_args={"speculative_decoding": False})
+    out = smollm2_spec.generate([{"prompt_token_ids": prompt}], off, use_tqdm=False)[0]
+    assert smollm2_spec.get_stats().spec_decoding.num_draft_tokens == drafts
+    assert out.outputs[0].token_ids == reference(smollm2_path).greedy(prompt, 24)
+    smollm2_spec.generate([{"prompt_token_ids": prompt}], greedy(24), use_tqdm=False)
+    assert smollm2_spec.get_stats().spec_decoding.num_draft_tokens > drafts   # drafts on
+
+
 def test_smollm2_spec_decode_under_preemption_and_async(smollm2_path, reference):
     llm = LLM(smollm2_path, speculative_config=NGRAM, async_scheduling=True,
               max_num_batched_tokens=32, num_kv_blocks=10, max_num_seqs=4)

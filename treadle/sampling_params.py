@@ -72,7 +72,8 @@ class SamplingParams:
     # A JSON schema, regex, choice or grammar the output must follow (a dict is converted).
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # Free-form arguments for extensions, as in vLLM; a KV connector reads
-    # extra_args["kv_transfer_params"] (what the prefill side handed back, for P/D).
+    # extra_args["kv_transfer_params"] (what the prefill side handed back, for P/D), and
+    # extra_args["speculative_decoding"] = False turns drafts off for this request.
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from treadle.engine.core_thread import EngineCoreThread
 from treadle.engine.errors import EngineBusyError, EngineDeadError
 from treadle.engine.input_processor import InputProcessor, PromptType
 from treadle.engine.output_processor import OutputProcessor
+from treadle.engine.status import engine_status
 from treadle.metrics import PrometheusMetrics
 from treadle.models.loader import load_tokenizer
 from treadle.outputs import RequestOutput
@@ -225,6 +226,13 @@ class AsyncLLM:
 
     async def is_paused(self) -> bool:
         return self._pause_mode is not None
+
+    async def get_engine_status(self) -> dict[str, Any]:
+        """Requests with their progress, the KV cache block by block, counters and the pause
+        state, as of one moment between steps (engine/status.py)."""
+        status = await self._call(engine_status, self.core)
+        status["pause_mode"] = self._pause_mode
+        return status
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return await self._call(self.core.reset_prefix_cache, reset_running_requests)

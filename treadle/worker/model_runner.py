@@ -231,6 +231,8 @@ class ModelRunner:
         if self.proposer is not None:
             for r in np.flatnonzero(samples):
                 slot = int(idx[r])
+                if (slots.params[slot].extra_args or {}).get("speculative_decoding") is False:
+                    continue
                 draft_token_ids[req_ids[r]] = self.grammars.valid_drafts(slot, self.proposer.propose(
                     slots.token_ids[slot, :slots.num_tokens[slot]]))
 

@@ -34,6 +34,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT before "
                         "they are aborted [default: 10]")
+    g.add_argument("--no-console", action="store_true",
+                   help="do not serve the web console (chat playground and dashboard) at /")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs '
                         "--tool-call-parser")

@@ -75,6 +75,9 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     # For the KV connector (vLLM's field): what a P/D prefill answer handed back.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's per-request extras, to SamplingParams.extra_args; treadle reads
+    # "speculative_decoding": false (no drafts for this request).
+    vllm_xargs: dict[str, str | int | float | bool] | None = None
     # Constrained output: OpenAI's response_format, or vLLM's structured_outputs (json, regex,
     # choice, grammar); not both.
     response_format: ResponseFormat | None = None

@@ -34,6 +34,7 @@ from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                   DetokenizeRequest, TokenizeRequest,
                                                   UpdateWeightsRequest)
 from treadle.entrypoints.openai.serving import OpenAIServing
+from treadle.entrypoints.openai.console import add_console, is_public
 from treadle.entrypoints.openai.serving_chat import ChatServing
 from treadle.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from treadle.entrypoints.openai.serving_completion import CompletionServing
@@ -53,7 +54,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] != "/health" and not is_public(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(401, "invalid or missing API key "
@@ -65,20 +66,24 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
               api_key: str | None = None, max_log_len: int | None = None,
-              log_requests: bool = False, tool_parser: ToolParser | None = None) -> FastAPI:
+              log_requests: bool = False, tool_parser: ToolParser | None = None,
+              console: bool = True) -> FastAPI:
     """The app serving `engine`; it shuts the engine down when the app stops. `tool_parser`
-    finds tool calls for tool_choice "auto" (None: "auto" is refused)."""
+    finds tool calls for tool_choice "auto" (None: "auto" is refused); `console`: the web
+    console at / (the status endpoint it polls is always there)."""
     serving = OpenAIServing(engine, model_names, max_log_len, log_requests)
     completions, chat = CompletionServing(serving), ChatServing(serving, tool_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
+        async with history:
+            yield
         engine.shutdown()
 
     app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
     app.state.serving = serving   # _Server flags it at shutdown
+    history = add_console(app, engine, serve_page=console)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     _add_error_handlers(app)
@@ -320,7 +325,8 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     names = ns.served_model_name or [engine_args.get("model") or DEFAULT_SERVED_NAME]
     tool_parser = get_tool_parser(ns.tool_call_parser) if ns.enable_auto_tool_choice else None
     app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len,
-                    log_requests=ns.enable_log_requests, tool_parser=tool_parser)
+                    log_requests=ns.enable_log_requests, tool_parser=tool_parser,
+                    console=not ns.no_console)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
     _Server(config, app, engine, ns.shutdown_timeout, phases).run()

@@ -132,8 +132,11 @@ class OpenAIServing:
         kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS
                   if getattr(req, name) is not None}
         kwargs.setdefault("temperature", _DEFAULT_TEMPERATURE)
+        extra_args = dict(req.vllm_xargs or {})
         if req.kv_transfer_params is not None:
-            kwargs["extra_args"] = {"kv_transfer_params": req.kv_transfer_params}
+            extra_args["kv_transfer_params"] = req.kv_transfer_params
+        if extra_args:
+            kwargs["extra_args"] = extra_args
         structured = _structured_outputs(req)
         if structured is not None:
             kwargs["structured_outputs"] = structured

@@ -1,0 +1,298 @@
+// treadle console: a chat playground over /v1/chat/completions (streamed), and a dashboard
+// polling /v1/engine/status. Plain browser JavaScript: no build step, nothing from a CDN.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { model: null, conversation: [], polling: null, busy: false };
+
+// -- the API key, kept in this browser only --------------------------------------------------
+$("api-key").value = localStorage.getItem("treadle-api-key") || "";
+$("api-key").addEventListener("change", () => localStorage.setItem("treadle-api-key", $("api-key").value));
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if ($("api-key").value) h.Authorization = "Bearer " + $("api-key").value;
+  return h;
+}
+
+async function errorText(resp) {
+  try {
+    const body = await resp.json();
+    return (body.error && body.error.message) || resp.statusText;
+  } catch (e) {
+    return resp.statusText;
+  }
+}
+
+function explain(status, message) {
+  return status === 401 ? "401: the server needs its API key (enter it above): " + message
+                        : status + ": " + message;
+}
+
+// -- tabs --------------------------------------------------------------------------------------
+for (const tab of document.querySelectorAll(".tab")) {
+  tab.addEventListener("click", () => {
+    for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t === tab);
+    for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== tab.dataset.view;
+  });
+}
+
+// -- playground --------------------------------------------------------------------------------
+function samplingFields() {
+  const body = {
+    temperature: Number($("temperature").value),
+    top_p: Number($("top-p").value),
+    max_tokens: Number($("max-tokens").value),
+  };
+  const stop = $("stop").value.split(",").map((s) => s.trim()).filter(Boolean);
+  if (stop.length) body.stop = stop;
+  if ($("seed").value !== "") body.seed = Number($("seed").value);
+  // Drafts never change the output, only its speed: vLLM's per-request extras turn them off.
+  if (!$("spec-toggle").hidden && !$("speculation").checked) body.vllm_xargs = { speculative_decoding: false };
+  return body;
+}
+
+function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = "message " + role;
+  const body = document.createElement("div");
+  body.className = "text";
+  body.textContent = text;
+  div.appendChild(body);
+  $("messages").appendChild(div);
+  $("messages").scrollTop = $("messages").scrollHeight;
+  return div;
+}
+
+function tokenColour(logprob) {
+  const p = Math.exp(Math.max(logprob, -20));   // 1: green, 0: red
+  return `hsl(${Math.round(120 * p)}, 75%, 82%)`;
+}
+
+function renderAnswer(div, answer) {
+  const body = div.querySelector(".text");
+  body.textContent = "";
+  if ($("show-tokens").checked && answer.tokens.length) {
+    for (const t of answer.tokens) {
+      const span = document.createElement("span");
+      span.className = "token";
+      span.textContent = t.token;
+      span.title = `logprob ${t.logprob.toFixed(3)}`;
+      span.style.background = tokenColour(t.logprob);
+      body.appendChild(span);
+    }
+  } else {
+    body.textContent = answer.text;
+  }
+}
+
+async function* sseEvents(resp) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        yield JSON.parse(data);
+      }
+    }
+  }
+}
+
+async function send(text) {
+  $("chat-error").hidden = true;
+  state.conversation.push({ role: "user", content: text });
+  addMessage("user", text);
+  const div = addMessage("assistant", "");
+  div.dataset.state = "streaming";
+  const stats = document.createElement("div");
+  stats.className = "answer-stats";
+  div.appendChild(stats);
+  const answer = { text: "", tokens: [] };
+  const body = { model: state.model, messages: state.conversation, stream: true, logprobs: true,
+                 stream_options: { include_usage: true }, ...samplingFields() };
+  const start = performance.now();
+  let first = null, numTokens = 0, finish = null;
+  try {
+    const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body) });
+    if (!resp.ok) throw new Error(explain(resp.status, await errorText(resp)));
+    for await (const chunk of sseEvents(resp)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) numTokens = chunk.usage.completion_tokens;
+      for (const choice of chunk.choices || []) {
+        const content = choice.delta.content || "";
+        if (content && first === null) first = performance.now();
+        answer.text += content;
+        for (const t of (choice.logprobs && choice.logprobs.content) || []) answer.tokens.push(t);
+        if (choice.finish_reason) finish = choice.finish_reason;
+      }
+      renderAnswer(div, answer);
+    }
+  } catch (e) {
+    $("chat-error").textContent = e.message;
+    $("chat-error").hidden = false;
+  }
+  const end = performance.now();
+  state.conversation.push({ role: "assistant", content: answer.text });
+  div.answer = answer;
+  const ttft = first === null ? null : first - start;
+  const rate = numTokens > 1 && first !== null && end > first ? (numTokens - 1) / ((end - first) / 1000) : null;
+  stats.textContent = [ttft === null ? "no tokens" : `TTFT ${ttft.toFixed(0)} ms`,
+                       rate === null ? null : `${rate.toFixed(1)} tok/s`,
+                       `${numTokens} tokens`, finish && `finish: ${finish}`].filter(Boolean).join(" · ");
+  div.dataset.state = "done";
+}
+
+$("chat-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || state.busy) return;
+  $("prompt").value = "";
+  state.busy = true;
+  $("send").disabled = true;
+  try {
+    await send(text);
+  } finally {
+    state.busy = false;
+    $("send").disabled = false;
+  }
+});
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    $("chat-form").requestSubmit();
+  }
+});
+$("clear-chat").addEventListener("click", () => {
+  state.conversation = [];
+  $("messages").textContent = "";
+});
+$("show-tokens").addEventListener("change", () => {
+  for (const div of document.querySelectorAll(".message.assistant")) if (div.answer) renderAnswer(div, div.answer);
+});
+
+// -- dashboard ---------------------------------------------------------------------------------
+function ownerColour(index) {
+  return `hsl(${(index * 137) % 360}, 65%, 55%)`;   // golden-angle hues: neighbours differ
+}
+
+function percent(x) {
+  return x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`;
+}
+
+function drawChart(svg, values) {
+  svg.textContent = "";
+  const points = values.map((v, i) => [i, v]).filter(([, v]) => v !== null);
+  if (points.length < 2) return;
+  const max = Math.max(...points.map(([, v]) => v), 1e-9);
+  const n = Math.max(values.length - 1, 1);
+  const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+  line.setAttribute("points", points.map(([i, v]) => `${(300 * i) / n},${78 - (74 * v) / max}`).join(" "));
+  svg.appendChild(line);
+  const label = document.createElementNS("http://www.w3.org/2000/svg", "text");
+  label.setAttribute("x", "2");
+  label.setAttribute("y", "10");
+  label.setAttribute("font-size", "9");
+  label.textContent = `max ${max.toFixed(max < 10 ? 2 : 0)}`;
+  svg.appendChild(label);
+}
+
+function renderRequests(status) {
+  const rows = [...status.running.map((r, i) => ({ ...r, colour: ownerColour(i) })), ...status.waiting];
+  const tbody = $("requests").querySelector("tbody");
+  tbody.textContent = "";
+  for (const r of rows) {
+    const tr = document.createElement("tr");
+    tr.dataset.requestId = r.id;
+    const done = r.max_tokens ? r.output_tokens / r.max_tokens : 0;
+    const cells = [r.id, r.state, r.prompt_tokens ?? "", r.computed_tokens ?? "", r.output_tokens ?? ""];
+    for (const c of cells) {
+      const td = document.createElement("td");
+      td.textContent = c;
+      tr.appendChild(td);
+    }
+    const td = document.createElement("td");
+    td.innerHTML = `<div class="bar"><div style="width:${(100 * done).toFixed(1)}%"></div></div>`;
+    if (r.colour) tr.firstChild.style.borderLeft = `6px solid ${r.colour}`;
+    tr.appendChild(td);
+    tbody.appendChild(tr);
+  }
+}
+
+function renderGrid(kv) {
+  const grid = $("kv-grid");
+  while (grid.children.length > kv.cells.length) grid.lastChild.remove();
+  while (grid.children.length < kv.cells.length) {
+    const cell = document.createElement("div");
+    grid.appendChild(cell);
+  }
+  kv.cells.forEach((v, i) => {
+    const cell = grid.children[i];
+    const kind = v >= 0 ? "running" : v === -1 ? "held" : v === -2 ? "cached" : "free";
+    cell.className = "cell " + kind;
+    cell.style.background = v >= 0 ? ownerColour(v) : "";
+    cell.dataset.owner = v;
+  });
+  const per = kv.blocks_per_cell > 1 ? `, ${kv.blocks_per_cell} blocks a cell` : "";
+  $("kv-legend").textContent = `${kv.num_blocks} blocks of ${kv.block_size} tokens${per}: ` +
+    "grey free, blue-grey cached, coloured by request when in use";
+}
+
+function renderStatus(status) {
+  state.model = state.model || status.model;
+  $("model-name").textContent = status.model;
+  const spec = status.speculative;
+  $("spec-info").textContent = spec
+    ? `n-gram speculation: on (server), ${spec.num_speculative_tokens} drafts`
+    : "n-gram speculation: off (server)";
+  $("spec-toggle").hidden = !spec;
+  $("pause-state").textContent = status.pause_mode ? `paused (${status.pause_mode})` : "running";
+  $("num-running").textContent = status.running.length;
+  $("num-waiting").textContent = status.waiting.length;
+  $("kv-usage").textContent = percent(status.stats.kv_cache_usage);
+  $("prefix-hit-rate").textContent = percent(status.stats.prefix_cache_hit_rate);
+  $("preemptions").textContent = status.stats.num_preemptions;
+  $("spec-acceptance").textContent = percent(status.stats.spec_acceptance_rate);
+  renderRequests(status);
+  renderGrid(status.kv_cache);
+  drawChart($("throughput-chart"), status.history.map((p) => p.tokens_per_s));
+  drawChart($("ttft-chart"), status.history.map((p) => p.ttft_s));
+}
+
+async function poll() {
+  try {
+    const resp = await fetch("/v1/engine/status", { headers: headers() });
+    if (!resp.ok) throw new Error(explain(resp.status, await errorText(resp)));
+    renderStatus(await resp.json());
+    $("dashboard-error").hidden = true;
+  } catch (e) {
+    $("dashboard-error").textContent = e.message;
+    $("dashboard-error").hidden = false;
+  }
+}
+
+for (const button of document.querySelectorAll(".control")) {
+  button.addEventListener("click", async () => {
+    $("control-message").textContent = `${button.textContent}…`;
+    try {
+      const resp = await fetch(button.dataset.path, { method: "POST", headers: headers() });
+      $("control-message").textContent = resp.ok ? `${button.textContent}: done`
+        : `${button.textContent} refused: ${explain(resp.status, await errorText(resp))}`;
+    } catch (e) {
+      $("control-message").textContent = `${button.textContent} failed: ${e.message}`;
+    }
+    poll();
+  });
+}
+
+poll();
+state.polling = setInterval(poll, 500);

@@ -188,7 +188,8 @@ def test_controls_need_the_api_key(browser, smollm2_path, tmp_path_factory, arti
         assert srv.stop() == 0, srv.log()
 
 
-def test_speculation_toggle_changes_drafts_not_text(browser, smollm2_path, tmp_path_factory):
+def test_speculation_toggle_changes_drafts_not_text(browser, smollm2_path, tmp_path_factory,
+                                                    artifacts):
     srv = Server(smollm2_path, tmp_path_factory.mktemp("console-spec"), "--speculative-config",
                  '{"method": "ngram", "num_speculative_tokens": 3}')
     try:
@@ -208,6 +209,7 @@ def test_speculation_toggle_changes_drafts_not_text(browser, smollm2_path, tmp_p
             texts.append(browser.find_element(By.CSS_SELECTOR, ".message.assistant .text").text)
             now = srv.request("GET", "/v1/engine/status")[1]["stats"]["spec_draft_tokens"]
             assert (now > drafts) == on, (on, drafts, now)
+        browser.save_screenshot(str(artifacts / "playground-speculation.png"))
         assert texts[0] == texts[1]   # drafts change the speed, never the text
     finally:
         assert srv.stop() == 0, srv.log()

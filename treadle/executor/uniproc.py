@@ -2,7 +2,10 @@
 
 With async scheduling, steps run on one worker thread, in the order they were submitted, so the
 engine can schedule the next step while this one computes (torch releases the GIL in its ops).
-Every other call to the worker goes through the same thread, after the steps before it.
+Every other call to the worker goes through the same thread, after the steps before it, and the
+worker is built there too: each thread that runs torch's parallel CPU ops gets an OpenMP team of
+its own, and a second, idle team (the loader's) makes libgomp stop spinning at barriers
+(engine/core_thread.py has the measurement).
 """
 
 from __future__ import annotations
@@ -18,27 +21,30 @@ from treadle.worker.worker import Worker
 
 class UniProcExecutor:
     def __init__(self, config: TreadleConfig) -> None:
-        self.worker = Worker(config)
-        self.worker.load_model()
-        self.num_blocks = self.worker.determine_num_blocks()
-        self.worker.init_kv_cache(self.num_blocks)
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="treadle-worker")
                         if config.scheduler.async_scheduling else None)
+        self.worker = self._on_worker_thread(_build_worker, config)
+        self.num_blocks = self._on_worker_thread(self.worker.determine_num_blocks)
+        self._on_worker_thread(self.worker.init_kv_cache, self.num_blocks)
+
+    def _on_worker_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if self._thread is None:
+            return fn(*args, **kwargs)
+        return self._thread.submit(fn, *args, **kwargs).result()
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future:
-        if non_block and self._thread is not None:
-            return self._thread.submit(self.worker.execute_model, scheduler_output)
-        return self.worker.execute_model(scheduler_output)
+        if self._thread is None:
+            return self.worker.execute_model(scheduler_output)
+        future = self._thread.submit(self.worker.execute_model, scheduler_output)
+        return future if non_block else future.result()
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run `method` on every worker (a Worker method name, or a callable taking the worker)."""
         fn = (getattr(self.worker, method) if isinstance(method, str)
               else functools.partial(method, self.worker))
-        if self._thread is not None:
-            return [self._thread.submit(fn, *args, **(kwargs or {})).result()]
-        return [fn(*args, **(kwargs or {}))]
+        return [self._on_worker_thread(fn, *args, **(kwargs or {}))]
 
     def failure(self) -> str | None:
         """None: the worker lives in this process, and its failures are raised where they happen."""
@@ -47,3 +53,9 @@ class UniProcExecutor:
     def shutdown(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+
+
+def _build_worker(config: TreadleConfig) -> Worker:
+    worker = Worker(config)
+    worker.load_model()
+    return worker

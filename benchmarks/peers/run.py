@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -168,11 +169,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], port: int,
-                 log: Path) -> subprocess.Popen:
+                 log: Path, treadle_args: list[str]) -> subprocess.Popen:
     max_len = str(SERVING["input_len"][1] + SERVING["output_len"][1] + 8)
     if engine == "treadle":
         cmd = [str(ROOT / ".venv/bin/treadle"), "serve", hf_dir, "--port", str(port),
-               "--dtype", DTYPES[dtype][0], "--max-model-len", max_len]
+               "--dtype", DTYPES[dtype][0], "--max-model-len", max_len, *treadle_args]
         return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     if engine == "vllm":
         cmd = [str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
@@ -183,9 +184,10 @@ def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], po
 
 
 def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokenizer_dir: str,
-            out_dir: Path) -> dict[int, dict[str, Any]]:
+            out_dir: Path, treadle_args: list[str]) -> dict[int, dict[str, Any]]:
     port = _free_port()
-    server = start_server(engine, dtype, hf_dir, ggufs, port, out_dir / f"serve-{engine}-{dtype}.log")
+    server = start_server(engine, dtype, hf_dir, ggufs, port,
+                          out_dir / f"serve-{engine}-{dtype}.log", treadle_args)
     results = {}
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
@@ -224,6 +226,9 @@ def main() -> int:
     parser.add_argument("--no-offline", action="store_true", help="the serving sweep only")
     parser.add_argument("--serving-dtypes", default="fp32",
                         help="dtypes of the serving sweep [default: fp32]")
+    parser.add_argument("--treadle-serve-args", default="", metavar="ARGS",
+                        help="more flags for `treadle serve`; write it with '=', e.g. "
+                             "--treadle-serve-args=--async-scheduling")
     parser.add_argument("--offline-from", default=None, metavar="PEERS_JSON",
                         help="take the offline results of an earlier run (with --no-offline)")
     ns = parser.parse_args()
@@ -264,7 +269,8 @@ def main() -> int:
         for dtype in ns.serving_dtypes.split(","):
             for engine in engines:
                 report["serving"].setdefault(dtype, {})[engine] = serving(
-                    engine, dtype, hf_dir, ggufs, hf_dir, out_dir)
+                    engine, dtype, hf_dir, ggufs, hf_dir, out_dir,
+                    shlex.split(ns.treadle_serve_args))
                 print(f"serving {dtype} {engine} done", flush=True)
                 save(report, out_dir)
 

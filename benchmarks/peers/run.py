@@ -184,7 +184,8 @@ def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], po
 
 
 def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokenizer_dir: str,
-            out_dir: Path, treadle_args: list[str]) -> dict[int, dict[str, Any]]:
+            out_dir: Path, treadle_args: list[str], requests_per_level: int
+            ) -> dict[int, dict[str, Any]]:
     port = _free_port()
     server = start_server(engine, dtype, hf_dir, ggufs, port,
                           out_dir / f"serve-{engine}-{dtype}.log", treadle_args)
@@ -193,7 +194,7 @@ def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokeniz
         wait_healthy(f"http://127.0.0.1:{port}", server)
         for level in SERVING_LEVELS:
             path = out_dir / f"serve-{engine}-{dtype}-c{level}.json"
-            n = max(8, SERVING["requests_per_level"] * level)
+            n = max(8, requests_per_level * level)
             lo, hi = SERVING["input_len"]
             olo, ohi = SERVING["output_len"]
             # A level with failed requests is still reported: its summary counts the errors.
@@ -226,6 +227,9 @@ def main() -> int:
     parser.add_argument("--no-offline", action="store_true", help="the serving sweep only")
     parser.add_argument("--serving-dtypes", default="fp32",
                         help="dtypes of the serving sweep [default: fp32]")
+    parser.add_argument("--requests-per-level", type=int, default=SERVING["requests_per_level"],
+                        help="requests per unit of concurrency at each level (at least 8) "
+                             f"[default: {SERVING['requests_per_level']}]")
     parser.add_argument("--treadle-serve-args", default="", metavar="ARGS",
                         help="more flags for `treadle serve`; write it with '=', e.g. "
                              "--treadle-serve-args=--async-scheduling")
@@ -270,7 +274,7 @@ def main() -> int:
             for engine in engines:
                 report["serving"].setdefault(dtype, {})[engine] = serving(
                     engine, dtype, hf_dir, ggufs, hf_dir, out_dir,
-                    shlex.split(ns.treadle_serve_args))
+                    shlex.split(ns.treadle_serve_args), ns.requests_per_level)
                 print(f"serving {dtype} {engine} done", flush=True)
                 save(report, out_dir)
 

@@ -81,11 +81,14 @@ def main(ns: argparse.Namespace) -> int:
         return time.perf_counter() - start
 
     latency(ns.output_len, 10_000)   # warm-up
-    tpots = []
+    tpots, longs, shorts = [], [], []
     for it in range(ns.num_iters):
-        long, short = latency(ns.output_len, it), latency(1, it)
-        tpots.append((long - short) / (ns.output_len - 1))
-    tpot = float(np.median(tpots))
+        longs.append(latency(ns.output_len, it))
+        shorts.append(latency(1, it))
+        tpots.append((longs[-1] - shorts[-1]) / (ns.output_len - 1))
+    # Medians of each length, not of the differences: one slow short run (a hiccup of a few
+    # ms) cannot then swing a tiny model's TPOT below zero.
+    tpot = float(np.median(longs) - np.median(shorts)) / (ns.output_len - 1)
     floor = weight_bytes / bandwidth
     host = machine()
     report: dict[str, Any] = {

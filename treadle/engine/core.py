@@ -216,7 +216,7 @@ class EngineCore:
 
     def abort_all(self) -> list[EngineCoreOutput]:
         """Abort every request; returns a final output (finish_reason "abort") for each."""
-        ids = list(self.scheduler.requests) + self.grammars.request_ids()
+        ids = self._request_ids()
         self.abort_requests(ids)
         return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in ids]
 
@@ -296,8 +296,11 @@ class EngineCore:
         """Once the engine has failed: a final output (finish_reason "error", the reason as its
         stop_reason) for every request it had not finished."""
         return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
-                                 stop_reason=reason)
-                for rid in list(self.scheduler.requests) + self.grammars.request_ids()]
+                                 stop_reason=reason) for rid in self._request_ids()]
+
+    def _request_ids(self) -> list[str]:
+        """Every request the engine holds: the scheduler's, and those whose grammar compiles."""
+        return list(self.scheduler.requests) + self.grammars.request_ids()
 
     def failure(self) -> str | None:
         """Why the engine cannot serve, or None: a worker group that died and will not be

@@ -5,13 +5,24 @@
 // Layout (as in torch_backend.py): k_cache/v_cache [num_blocks, block_size, num_kv_heads,
 // head_dim]; q/out [num_seqs, num_heads, head_dim] with the last dim contiguous; block_table
 // int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]. Accumulates in fp32.
+//
+// Three passes per work item: scores (q . k for every token), softmax, then the sum of p * v.
+// With AVX-512 and head_dim 64 or 128, the first pass scores 16 tokens at a time and sums
+// their products in one tree of shuffles, and the third keeps each head's accumulator in
+// registers while the tokens go by. At head_dim 64 the per-token reductions, not the bytes,
+// bounded the plain loops (docs/benchmarks.md); they stay for other CPUs and head sizes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -19,24 +30,221 @@ namespace {
 // 4 fastest by a little at 48 decodes.
 constexpr int64_t kPrefetch = 4;
 
+// One call's tensors, and the rows of one sequence's cache.
+template <typename scalar_t>
+struct Call {
+  const scalar_t *q, *k, *v;
+  scalar_t* out;
+  const int32_t *tables, *lens;
+  int64_t group, head_dim, max_blocks, block_size;
+  int64_t q_seq, q_head, o_seq, o_head, c_block, c_tok, c_head;
+  float scale;
+};
+
+// A work item: a sequence and a run of its KV heads, with its heads' scaled queries in qf
+// and room for their scores.
+template <typename scalar_t>
+struct Item {
+  const Call<scalar_t>& c;
+  const int32_t* table;
+  int64_t seq, kv0, kv_heads, len;
+
+  // Token t's row in `cache` at KV head kv0 + g, with the row kPrefetch tokens on requested
+  // from memory (`bytes` of it): blocks are scattered, so the hardware prefetcher alone
+  // restarts at every block.
+  const scalar_t* row(const scalar_t* cache, int64_t t, int64_t g, int64_t bytes) const {
+    if (t + kPrefetch < len) {
+      const char* ahead = reinterpret_cast<const char*>(at(cache, t + kPrefetch, g));
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b);
+    }
+    return at(cache, t, g);
+  }
+  const scalar_t* at(const scalar_t* cache, int64_t t, int64_t g) const {
+    return cache + table[t / c.block_size] * c.c_block + (t % c.block_size) * c.c_tok + (kv0 + g) * c.c_head;
+  }
+  scalar_t* out(int64_t h) const { return c.out + seq * c.o_seq + (kv0 * c.group + h) * c.o_head; }
+};
+
+// scores[h * len + t] = exp(s - max) in place; returns 1 / sum for each of `heads` heads.
+void softmax(float* scores, int64_t heads, int64_t len, float* inv_sum) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores + h * len;
+    float m = sh[0];
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, sh[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = std::exp(sh[t] - m);
+      sum += sh[t];
+    }
+    inv_sum[h] = 1.f / sum;
+  }
+}
+
+// Any CPU, any head_dim: a dot product per token and head, then p * v row by row.
+template <typename scalar_t>
+void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, float* acc, float* inv_sum) {
+  const Call<scalar_t>& c = it.c;
+  const int64_t heads = it.kv_heads * c.group, hd = c.head_dim, len = it.len;
+  const int64_t bytes = it.kv_heads * c.c_head * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* row = it.row(c.k, t, 0, bytes);
+    for (int64_t h = 0; h < heads; ++h) {
+      const scalar_t* k = row + (h / c.group) * c.c_head;
+      const float* qh = qf + h * hd;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < hd; ++d) s += qh[d] * static_cast<float>(k[d]);
+      scores[h * len + t] = s;
+    }
+  }
+  softmax(scores, heads, len, inv_sum);
+  std::fill(acc, acc + heads * hd, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* row = it.row(c.v, t, 0, bytes);
+    for (int64_t h = 0; h < heads; ++h) {
+      const scalar_t* v = row + (h / c.group) * c.c_head;
+      const float p = scores[h * len + t];
+      float* ah = acc + h * hd;
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) ah[d] += p * static_cast<float>(v[d]);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    scalar_t* dst = it.out(h);
+    for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<scalar_t>(acc[h * hd + d] * inv_sum[h]);
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i]: a tree of 15 adds, each halving
+// the vectors left, where 16 separate horizontal sums take 4 shuffles and 4 adds apiece.
+inline __m512 sum_lanes16(const float* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: v[2i], v[2i+1], v[2i], v[2i+1]
+    const __m512 x = _mm512_loadu_ps(v + 32 * i), y = _mm512_loadu_ps(v + 32 * i + 16);
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i)    // per 128-bit lane: v[4i] .. v[4i+3]
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)    // 128-bit lanes: v[8i..8i+3] twice, v[8i+4..8i+7] twice
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// acc += p * v for HT heads of KV head g (first query head h0), over every token, with the
+// accumulators in registers; then out = acc / sum.
+template <typename scalar_t, int D, int HT>
+void accumulate_v(const Item<scalar_t>& it, int64_t g, int64_t h0, const float* scores, const float* inv_sum) {
+  const int64_t len = it.len, bytes = D * 16 * static_cast<int64_t>(sizeof(scalar_t));
+  __m512 acc[HT][D];
+  for (int i = 0; i < HT; ++i)
+    for (int d = 0; d < D; ++d) acc[i][d] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t* row = it.row(it.c.v, t, g, bytes);
+    __m512 v[D];
+    for (int d = 0; d < D; ++d) v[d] = load16(row + 16 * d);
+    for (int i = 0; i < HT; ++i) {
+      const __m512 p = _mm512_set1_ps(scores[(h0 + i) * len + t]);
+      for (int d = 0; d < D; ++d) acc[i][d] = _mm512_fmadd_ps(p, v[d], acc[i][d]);
+    }
+  }
+  alignas(64) float tmp[D * 16];
+  for (int i = 0; i < HT; ++i) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[h0 + i]);
+    for (int d = 0; d < D; ++d) _mm512_store_ps(tmp + 16 * d, _mm512_mul_ps(acc[i][d], inv));
+    scalar_t* dst = it.out(h0 + i);
+    for (int d = 0; d < D * 16; ++d) dst[d] = static_cast<scalar_t>(tmp[d]);
+  }
+}
+
+// Heads per register tile of accumulate_v: HT x D accumulators plus D rows of v fit in the
+// 32 vector registers.
+template <int D>
+constexpr int kHeadTile = D <= 4 ? 4 : 2;
+
+template <typename scalar_t, int D>
+void accumulate_v_tiles(const Item<scalar_t>& it, int64_t g, const float* scores, const float* inv_sum) {
+  const int64_t group = it.c.group;
+  for (int64_t h = 0; h < group;) {
+    const int64_t left = group - h, base = g * group + h;
+    if (left >= kHeadTile<D>) {
+      accumulate_v<scalar_t, D, kHeadTile<D>>(it, g, base, scores, inv_sum);
+      h += kHeadTile<D>;
+    } else if (left == 3) {
+      accumulate_v<scalar_t, D, 3>(it, g, base, scores, inv_sum);
+      h += 3;
+    } else if (left == 2) {
+      accumulate_v<scalar_t, D, 2>(it, g, base, scores, inv_sum);
+      h += 2;
+    } else {
+      accumulate_v<scalar_t, D, 1>(it, g, base, scores, inv_sum);
+      h += 1;
+    }
+  }
+}
+
+// head_dim = 16 * D. `part` holds 16 fp32 vectors per head: one tile's unreduced products.
+template <typename scalar_t, int D>
+void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, float* part, float* inv_sum) {
+  const Call<scalar_t>& c = it.c;
+  const int64_t heads = it.kv_heads * c.group, len = it.len;
+  const int64_t bytes = it.kv_heads * c.c_head * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {  // past the end: zeros, not whatever the cache holds there
+        for (int64_t h = 0; h < heads; ++h) _mm512_storeu_ps(part + (h * 16 + j) * 16, _mm512_setzero_ps());
+        continue;
+      }
+      const scalar_t* row = it.row(c.k, t0 + j, 0, bytes);
+      for (int64_t g = 0; g < it.kv_heads; ++g) {
+        __m512 k[D];
+        for (int d = 0; d < D; ++d) k[d] = load16(row + g * c.c_head + 16 * d);
+        for (int64_t h = g * c.group; h < (g + 1) * c.group; ++h) {
+          const float* qh = qf + h * 16 * D;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+          for (int d = 1; d < D; ++d) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * d), k[d], s);
+          _mm512_storeu_ps(part + (h * 16 + j) * 16, s);
+        }
+      }
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t h = 0; h < heads; ++h)
+      _mm512_mask_storeu_ps(scores + h * len + t0, mask, sum_lanes16(part + h * 256));
+  }
+  softmax(scores, heads, len, inv_sum);
+  for (int64_t g = 0; g < it.kv_heads; ++g) accumulate_v_tiles<scalar_t, D>(it, g, scores, inv_sum);
+}
+#endif
+
 template <typename scalar_t>
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, double scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_table.size(1);
-  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
-  const int64_t o_seq = out.stride(0), o_head = out.stride(1);
-  const int64_t c_block = k_cache.stride(0), c_tok = k_cache.stride(1), c_head = k_cache.stride(2);
-  const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
-  scalar_t* o_data = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const Call<scalar_t> c{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                         out.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                         num_heads / num_kv_heads, head_dim, block_table.size(1), k_cache.size(1),
+                         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
+  int vec_dims = 0;  // D of attend_avx512, or 0 for the plain loops (and for double)
+#ifdef __AVX512F__
+  if ((head_dim == 64 || head_dim == 128) && !std::is_same_v<scalar_t, double>)
+    vec_dims = static_cast<int>(head_dim / 16);
+#endif
 
   // A work item is a sequence and a run of its KV heads, handed out dynamically since lengths
   // vary a lot. All heads at once reads each block as one contiguous run, which the hardware
@@ -45,71 +253,33 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const int64_t heads_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   const int64_t num_items = num_seqs * items_per_seq;
-  const int64_t heads = heads_per_item * group;  // query heads per item
-  const int64_t row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t heads = heads_per_item * c.group;  // query heads per item
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores, inv_sum(heads);
-    for (int64_t item = next++; item < num_items; item = next++) {
-      const int64_t seq = item / items_per_seq;
-      const int64_t kv0 = (item % items_per_seq) * heads_per_item;  // first KV head
-      const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * max_blocks;
-      scores.resize(heads * len);
-      // Token t's row of this item's heads in `cache`, with the row kPrefetch tokens on
-      // requested from memory: blocks are scattered, so the hardware prefetcher alone
-      // restarts at every block.
-      auto row_at = [&](const scalar_t* cache, int64_t t) {
-        if (t + kPrefetch < len) {
-          const int64_t u = t + kPrefetch;
-          const char* ahead = reinterpret_cast<const char*>(
-              cache + table[u / block_size] * c_block + (u % block_size) * c_tok + kv0 * c_head);
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-        }
-        return cache + table[t / block_size] * c_block + (t % block_size) * c_tok + kv0 * c_head;
-      };
+    std::vector<float> part(vec_dims ? heads * 256 : 0);
+    for (int64_t idx = next++; idx < num_items; idx = next++) {
+      const int64_t seq = idx / items_per_seq;
+      const Item<scalar_t> it{c, c.tables + seq * c.max_blocks, seq, (idx % items_per_seq) * heads_per_item,
+                              heads_per_item, c.lens[seq]};
+      scores.resize(heads * it.len);
       for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* src = q_data + seq * q_seq + (kv0 * group + h) * q_head;
-        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]) * fscale;
+        const scalar_t* src = c.q + seq * c.q_seq + (it.kv0 * c.group + h) * c.q_head;
+        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]) * c.scale;
       }
-      for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* row = row_at(k_data, t);
-        for (int64_t h = 0; h < heads; ++h) {
-          const scalar_t* k = row + (h / group) * c_head;
-          const float* qh = qf.data() + h * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(k[d]);
-          scores[h * len + t] = s;
+#ifdef __AVX512F__
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (vec_dims == 4) {
+          attend_avx512<scalar_t, 4>(it, qf.data(), scores.data(), part.data(), inv_sum.data());
+          continue;
+        }
+        if (vec_dims == 8) {
+          attend_avx512<scalar_t, 8>(it, qf.data(), scores.data(), part.data(), inv_sum.data());
+          continue;
         }
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* sh = scores.data() + h * len;
-        float m = sh[0];
-        for (int64_t t = 1; t < len; ++t) m = std::max(m, sh[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
-        }
-        inv_sum[h] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* row = row_at(v_data, t);
-        for (int64_t h = 0; h < heads; ++h) {
-          const scalar_t* v = row + (h / group) * c_head;
-          const float p = scores[h * len + t];
-          float* ah = acc.data() + h * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(v[d]);
-        }
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        scalar_t* dst = o_data + seq * o_seq + (kv0 * group + h) * o_head;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
-      }
+#endif
+      attend_plain<scalar_t>(it, qf.data(), scores.data(), acc.data(), inv_sum.data());
     }
   });
 }

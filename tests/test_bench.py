@@ -71,6 +71,22 @@ def test_bench_floor_counts_the_weights_a_step_reads(tiny_checkpoints, tmp_path,
         main(["bench", "floor", "--model", path, "--output-len", "1"])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bench_floor_counts_int8_weights_as_their_int8_copies(tiny_checkpoints, tmp_path, arch):
+    out = tmp_path / "floor.json"
+    path = tiny_checkpoints[arch]
+    assert main(["bench", "floor", "--model", path, "--quantization", "int8", "--input-len", "4",
+                 "--output-len", "8", "--copy-mib", "64", "--output-json", str(out)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32")
+    expected = 0
+    for name, p in hf.named_parameters():
+        if "embed_tokens" in name and not hf.config.tie_word_embeddings:
+            continue   # a lookup reads one row
+        # A matrix is read as int8 plus one fp32 scale per 32 inputs; vectors stay fp32.
+        expected += p.numel() + p.numel() // 32 * 4 if p.dim() == 2 else p.numel() * 4
+    assert json.loads(out.read_text())["weight_bytes_per_step"] == expected
+
+
 def test_bench_structured_times_both_runs_and_the_compile(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "structured.json"
     assert main(["bench", "structured", "--model", tiny_checkpoints["llama"], "--batch-sizes",

@@ -27,6 +27,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
+    quantization: str | None = None   # "int8": weight-only, CPU, float32 (models/linear.py)
 
     @property
     def num_layers(self) -> int:
@@ -211,6 +212,7 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -252,6 +254,7 @@ class EngineArgs:
         path = prepare_model(self.model)
         hf_config = load_hf_config(path)
         dtype = _resolve_dtype(self.dtype, device)
+        _check_quantization(self.quantization, dtype, device)
 
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -280,7 +283,8 @@ class EngineArgs:
                 "when chunked prefill is disabled")
 
         model_cfg = ModelConfig(model=path, hf_config=hf_config, dtype=dtype,
-                                max_model_len=max_model_len, seed=self.seed)
+                                max_model_len=max_model_len, seed=self.seed,
+                                quantization=self.quantization)
         cache_cfg = CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                 enable_prefix_caching=self.enable_prefix_caching)
@@ -345,6 +349,16 @@ def _json_fields(name: str, spec: dict[str, Any] | str, cls: type) -> dict[str, 
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
+    if quantization is None:
+        return
+    if quantization != "int8":
+        raise ValueError(f"quantization must be None or 'int8' (weight-only), got {quantization!r}")
+    if not device.startswith("cpu") or dtype != torch.float32:
+        raise ValueError(f"quantization='int8' runs on CPU in float32 (the activations and the "
+                         f"rest of the model); got device={device!r}, dtype={str(dtype).split('.')[-1]}")
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

@@ -56,10 +56,23 @@ def copy_bandwidth(mib: int, iters: int = 10) -> float:
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of the parameters a decode step reads in full: all of them, except an embedding
-    table that is not also the output head (a lookup reads one row per token)."""
+    table that is not also the output head (a lookup reads one row per token). A weight with
+    an int8 copy counts that copy, which is what batch-1 decode reads."""
+    from treadle.models.linear import Linear
+
     embed = model.model.embed_tokens
     skip = embed.weight if embed is not None and not model.tie_word_embeddings else None
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not skip)
+    int8 = {id(m.weight): m.int8 for m in model.modules() if isinstance(m, Linear) and m.int8 is not None}
+    if model._int8_head is not None:
+        int8[id(model._head_weight())] = model._int8_head
+    total = 0
+    for p in model.parameters():
+        if p is skip:
+            continue
+        copy = int8.get(id(p))
+        total += (sum(t.numel() * t.element_size() for t in copy.tensors) if copy is not None
+                  else p.numel() * p.element_size())
+    return total
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -257,6 +257,7 @@ def _resolved_engine(llm: Any) -> dict[str, Any]:
     cfg = llm.engine.config
     info: dict[str, Any] = {
         "model": cfg.model.model, "dtype": str(cfg.model.dtype).removeprefix("torch."),
+        "quantization": cfg.model.quantization,
         "max_model_len": cfg.model.max_model_len, "device": cfg.device,
         "block_size": cfg.cache.block_size, "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         "max_num_seqs": cfg.scheduler.max_num_seqs,

@@ -13,6 +13,7 @@ from treadle.config import EngineArgs
 
 _ENGINE_HELP = {
     "dtype": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)",
+    "quantization": "int8: weight-only int8 for batch-1 latency (CPU, float32; opt-in)",
     "max_model_len": "longest prompt + output, in tokens (default: the model's own limit)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
@@ -38,7 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     defaults = EngineArgs()
     for name, text in _ENGINE_HELP.items():
         default = getattr(defaults, name)
-        kind = (str if name in ("dtype", "scheduling_policy", "device",
+        kind = (str if name in ("dtype", "quantization", "scheduling_policy", "device",
                                 "distributed_executor_backend") else int)
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                            help=f"{text} [default: {default}]")

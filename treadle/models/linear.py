@@ -1,4 +1,5 @@
-"""Linear layers whose weights are packed once for oneDNN on CPU.
+"""Linear layers whose weights are packed once for oneDNN on CPU, and optionally quantized to
+weight-only int8 for the few-row kernel.
 
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight matrix on every call. At decode
 batch sizes that packing costs about as much as the multiply. A weight packed once into
@@ -45,10 +46,18 @@ def _small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.ops.treadle.small_rows_linear(x, weight, bias)
 
 
+# Rows up to which `int8_rows_linear` beats the packed fp32 GEMM (docs/benchmarks.md).
+INT8_ROWS = 4
+INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None, native: bool = False) -> torch.Tensor:
-    """x @ weight.T + bias: the C++ kernel at a few rows where `native`, else the packed GEMM
-    where there is a packed weight, else torch's."""
+           packed: torch.Tensor | None, native: bool = False,
+           int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: the C++ kernels at a few rows where `native` (on the int8 copy
+    where there is one), else the packed GEMM where there is a packed weight, else torch's."""
+    if native and int8 is not None and x.shape[0] <= INT8_ROWS:
+        return torch.ops.treadle.int8_rows_linear(x, *int8, bias)
     if native and x.shape[0] <= SMALL_ROWS:
         return _small_rows_linear(x, weight, bias)
     if packed is None:
@@ -62,9 +71,55 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     native = False
+    int8: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.native)
+        return linear(x, self.weight, self.bias, self.packed, self.native,
+                      self.int8.tensors if self.int8 is not None else None)
+
+
+class Int8Weight:
+    """Weight-only int8 for a [out, in] weight: q (int8) and one fp32 scale per INT8_GROUP
+    inputs, the largest magnitude of the group over 127.
+
+    `quantize` also overwrites the weight with q * scale, so the GEMM (prefill, large batches)
+    and the int8 kernel (a few rows) compute one model, which transformers can load as it
+    is. A weight that still equals its previous quantization keeps it: quantizing q * scale
+    again could move a scale by an ulp, and with it the model."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.tensors = (q, scales)
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return weight.dim() == 2 and weight.shape[1] % INT8_GROUP == 0 and weight.dtype == torch.float32
+
+    def dequantize(self) -> torch.Tensor:
+        q, scales = self.tensors
+        return (q.float().view(q.shape[0], -1, INT8_GROUP) * scales[..., None]).view_as(q)
+
+    @classmethod
+    @torch.no_grad()
+    def quantize(cls, weight: torch.Tensor, previous: Int8Weight | None = None) -> Int8Weight:
+        if previous is not None and torch.equal(weight, previous.dequantize()):
+            return previous
+        groups = weight.view(weight.shape[0], -1, INT8_GROUP)
+        scales = groups.abs().amax(-1) / 127
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))   # an all-zero group
+        q = torch.round(groups / scales[..., None]).clamp_(-127, 127).to(torch.int8)
+        quantized = cls(q.view_as(weight).contiguous(), scales.contiguous())
+        weight.copy_(quantized.dequantize())
+        return quantized
+
+
+def quantize_weights(model: nn.Module) -> int:
+    """Weight-only int8 for every `Linear` whose weight allows it; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and Int8Weight.supports(module.weight):
+            module.int8 = Int8Weight.quantize(module.weight, module.int8)
+            count += 1
+    return count
 
 
 def pack_weights(model: nn.Module, device: torch.device) -> int:
@@ -83,3 +138,4 @@ def unpack_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed = None
+            module.int8 = None

@@ -198,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
 
     qk_norm = False
     is_packed = False    # pack_weights has run (a no-op off CPU): weight loads re-pack
+    quantization: str | None = None   # "int8": weight-only, set before pack_weights
 
     @staticmethod
     def biases(config) -> tuple[bool, bool]:
@@ -213,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
+        self._int8_head: linear.Int8Weight | None = None
         self.native_head = False   # the head through the C++ kernel at a few rows
         # A tied head is the embedding, unless the embedding lives on another stage: then the
         # last stage loads its own copy of it.
@@ -241,13 +243,19 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head)
+        int8 = self._int8_head.tensors if self._int8_head is not None else None
+        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head, int8)
         return self.ctx.all_gather_last_dim(logits).float()
 
     def pack_weights(self) -> None:
-        """Pack the GEMM weights for the device's fastest kernel (see models/linear.py).
-        `load_weights` packs again by itself once the model is packed."""
+        """Pack the GEMM weights for the device's fastest kernel (see models/linear.py), after
+        quantizing them if `quantization` is set. `load_weights` packs again by itself once
+        the model is packed."""
         device = next(self.parameters()).device
+        if self.quantization == "int8":
+            linear.quantize_weights(self)
+            if self.ctx.is_last_stage:   # a tied head quantizes the embedding with it
+                self._int8_head = linear.Int8Weight.quantize(self._head_weight(), self._int8_head)
         linear.pack_weights(self, device)
         self._packed_head = None
         if linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores
@@ -265,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)
         self._packed_head = None
+        self._int8_head = None
         self.is_packed = False
 
     # -- weights ------------------------------------------------------------------

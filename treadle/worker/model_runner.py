@@ -70,6 +70,7 @@ class ModelRunner:
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         # RoPE tables are computed, not loaded, and stay fp32, as in transformers.
         self.model.model.rotary.compute_tables()
+        self.model.quantization = cfg.quantization
         self.model.pack_weights()
         if self.native_kernels:
             self.model.use_cpu_kernels()

@@ -41,7 +41,7 @@ PEERS = Path(os.environ.get("TREADLE_PEERS_DIR", Path.home() / ".cache/treadle/p
 WORKLOADS = {"mixed": (64, (32, 512), (32, 256)),        # as `treadle bench throughput`
              "nano": (64, (100, 1024), (100, 512))}      # nano-vllm's shape, scaled to 2 cores
 DTYPES = {"fp32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}
-SERVING = {"requests_per_level": 2, "input_len": (64, 512), "output_len": (32, 128)}
+SERVING = {"requests_per_level": 4, "input_len": (64, 512), "output_len": (32, 128)}
 SERVING_LEVELS = (1, 8, 32)   # requests in flight
 LLAMA_CTX = 1600   # a slot's context: the longest prompt and output of any workload, and some
 

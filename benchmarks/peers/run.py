@@ -90,10 +90,11 @@ def gguf_weights() -> dict[str, str]:
 
 
 # -- offline -------------------------------------------------------------------------------------
-def offline_api(engine: str, hf_dir: str, dtype: str, work: Any, out_dir: Path) -> dict[str, Any]:
+def offline_api(engine: str, hf_dir: str, dtype: str, work: Any, out_dir: Path,
+                treadle_args: dict[str, Any]) -> dict[str, Any]:
     """treadle's or vLLM's offline API in a child process; returns its result JSON."""
     spec = {"model": hf_dir, "dtype": DTYPES[dtype][0], "prompts": work.prompts,
-            "output_lens": work.output_lens,
+            "output_lens": work.output_lens, "treadle_args": treadle_args,
             "max_model_len": max(map(len, work.prompts)) + max(work.output_lens) + 8}
     spec_path, result_path = out_dir / "spec.json", out_dir / f"{engine}-{dtype}-result.json"
     spec_path.write_text(json.dumps(spec))
@@ -233,6 +234,9 @@ def main() -> int:
     parser.add_argument("--treadle-serve-args", default="", metavar="ARGS",
                         help="more flags for `treadle serve`; write it with '=', e.g. "
                              "--treadle-serve-args=--async-scheduling")
+    parser.add_argument("--treadle-offline-args", default="{}", metavar="JSON",
+                        help='more engine arguments for treadle\'s offline LLM, e.g. '
+                             '\'{"async_scheduling": true}\'')
     parser.add_argument("--offline-from", default=None, metavar="PEERS_JSON",
                         help="take the offline results of an earlier run (with --no-offline)")
     ns = parser.parse_args()
@@ -258,7 +262,8 @@ def main() -> int:
                     if engine == "llamacpp":
                         res = offline_llama(ggufs[dtype], work, out_dir, f"{wname}-{dtype}")
                     else:
-                        res = offline_api(engine, hf_dir, dtype, work, out_dir)
+                        res = offline_api(engine, hf_dir, dtype, work, out_dir,
+                                          json.loads(ns.treadle_offline_args))
                     if engine == "treadle" and dtype == "fp32":
                         reference = res["token_ids"]
                     row = {"output_tok_s": res["output_tokens"] / res["elapsed_s"],

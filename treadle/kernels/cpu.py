@@ -7,6 +7,7 @@
   call per chunk.
 - `small_rows_linear`: a linear layer at 1-2 rows (batch-1 decode), which streams each weight
   row once where oneDNN's GEMM, tuned for many rows, reads weights at about half that rate.
+- `int8_rows_linear`: the same over weight-only int8 rows (`quantization="int8"`), up to 4 rows.
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch
   expressions they replace make three to five.
 

@@ -8,7 +8,7 @@ from treadle import LLM, SamplingParams
 def main() -> None:
     spec = load_spec()
     llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **spec.get("treadle_args", {}))
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]

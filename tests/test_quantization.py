@@ -136,3 +136,36 @@ def test_int8_follows_a_weight_update(int8_llm, smollm2_path):
         assert int8_llm.collective_rpc(update, args=(original * 1.5,)) == [(True, True, True, True)]
     finally:
         assert int8_llm.collective_rpc(update, args=(original,)) == [(True, True, True, True)]
+
+
+def _tied_rows(worker) -> dict[str, torch.Tensor | None]:
+    """Given to collective_rpc: the first rows of this stage's embedding and head, if it has them."""
+    model = worker.runner.model
+    embed = model.model.embed_tokens
+    return {"embed": embed.weight[:4].clone() if embed is not None else None,
+            "head": model._head_weight()[:4].clone() if model.ctx.is_last_stage else None}
+
+
+@needs_native
+def test_int8_two_stages_equal_transformers_on_the_dequantized_weights(tiny_checkpoints):
+    """The first stage holds the tied embedding alone: it must quantize it as the last stage
+    quantizes the head, or the stages would run two different models. (A tiny model: SmolLM2's
+    embedding, from a GGUF, is already on the int8 grid.)"""
+    path = tiny_checkpoints["llama"]
+    weights = dict(iter_hf_weights(path))
+    original = weights["model.embed_tokens.weight"][:4]
+    expected_rows = _dequantized(original)
+    assert not torch.equal(original, expected_rows)
+    reference = HFReference(path, [(name, _dequantized(w)) for name, w in weights.items()
+                                   if w.dim() == 2 and w.shape[1] % INT8_GROUP == 0])
+    prompts = [list(range(10, 10 + n)) for n in (7, 40)]
+    with LLM(path, quantization="int8", pipeline_parallel_size=2, max_model_len=128,
+             num_kv_blocks=32) as llm:
+        first, last = llm.collective_rpc(_tied_rows)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)
+    assert first["head"] is None and last["embed"] is None
+    assert torch.equal(first["embed"], expected_rows) and torch.equal(last["head"], expected_rows)
+    for p, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == reference.greedy(p, 12)

@@ -214,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
+        # int8 copy of the head; on a first stage of several with a tied head, of the embedding
         self._int8_head: linear.Int8Weight | None = None
         self.native_head = False   # the head through the C++ kernel at a few rows
         # A tied head is the embedding, unless the embedding lives on another stage: then the
@@ -256,6 +257,11 @@ class LlamaForCausalLM(nn.Module):
             linear.quantize_weights(self)
             if self.ctx.is_last_stage:   # a tied head quantizes the embedding with it
                 self._int8_head = linear.Int8Weight.quantize(self._head_weight(), self._int8_head)
+            elif self.tie_word_embeddings and self.model.embed_tokens is not None:
+                # The first of several stages holds the embedding alone; tied, it must hold the
+                # same values as the last stage's head.
+                self._int8_head = linear.Int8Weight.quantize(self.model.embed_tokens.weight,
+                                                             self._int8_head)
         linear.pack_weights(self, device)
         self._packed_head = None
         if linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores

@@ -254,17 +254,17 @@ class LlamaForCausalLM(nn.Module):
         the model is packed."""
         device = next(self.parameters()).device
         if self.quantization == "int8":
-            linear.quantize_weights(self)
-            if self.ctx.is_last_stage:   # a tied head quantizes the embedding with it
-                self._int8_head = linear.Int8Weight.quantize(self._head_weight(), self._int8_head)
-            elif self.tie_word_embeddings and self.model.embed_tokens is not None:
-                # The first of several stages holds the embedding alone; tied, it must hold the
-                # same values as the last stage's head.
-                self._int8_head = linear.Int8Weight.quantize(self.model.embed_tokens.weight,
-                                                             self._int8_head)
+            linear.quantize_weights(self)   # every Linear, a head of its own among them
+            embed = self.model.embed_tokens
+            if self.lm_head is None and self.tie_word_embeddings and embed is not None:
+                # The head is the embedding; or, on the first of several stages, the embedding
+                # must hold the same values as the last stage's tied head.
+                self._int8_head = linear.Int8Weight.quantize(embed.weight, self._int8_head)
         linear.pack_weights(self, device)
         self._packed_head = None
-        if linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores
+        if self.lm_head is not None:   # a Linear: packed and quantized above, not a second time
+            self._packed_head, self._int8_head = self.lm_head.packed, self.lm_head.int8
+        elif linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
 

@@ -174,25 +174,21 @@ void accumulate_v(const Item<scalar_t>& it, int64_t g, int64_t h0, const float* 
 template <int D>
 constexpr int kHeadTile = D <= 4 ? 4 : 2;
 
+// accumulate_v on the widest tile of at most HT heads that `left` heads fill.
+template <typename scalar_t, int D, int HT>
+void accumulate_v_tile(const Item<scalar_t>& it, int64_t g, int64_t h0, int64_t left, const float* scores,
+                       const float* inv_sum) {
+  if constexpr (HT > 1) {
+    if (left < HT) return accumulate_v_tile<scalar_t, D, HT - 1>(it, g, h0, left, scores, inv_sum);
+  }
+  accumulate_v<scalar_t, D, HT>(it, g, h0, scores, inv_sum);
+}
+
 template <typename scalar_t, int D>
 void accumulate_v_tiles(const Item<scalar_t>& it, int64_t g, const float* scores, const float* inv_sum) {
   const int64_t group = it.c.group;
-  for (int64_t h = 0; h < group;) {
-    const int64_t left = group - h, base = g * group + h;
-    if (left >= kHeadTile<D>) {
-      accumulate_v<scalar_t, D, kHeadTile<D>>(it, g, base, scores, inv_sum);
-      h += kHeadTile<D>;
-    } else if (left == 3) {
-      accumulate_v<scalar_t, D, 3>(it, g, base, scores, inv_sum);
-      h += 3;
-    } else if (left == 2) {
-      accumulate_v<scalar_t, D, 2>(it, g, base, scores, inv_sum);
-      h += 2;
-    } else {
-      accumulate_v<scalar_t, D, 1>(it, g, base, scores, inv_sum);
-      h += 1;
-    }
-  }
+  for (int64_t h = 0; h < group; h += kHeadTile<D>)
+    accumulate_v_tile<scalar_t, D, kHeadTile<D>>(it, g, g * group + h, group - h, scores, inv_sum);
 }
 
 // head_dim = 16 * D. `part` holds 16 fp32 vectors per head: one tile's unreduced products.

@@ -241,6 +241,7 @@ def main() -> int:
                         help="take the offline results of an earlier run (with --no-offline)")
     ns = parser.parse_args()
     engines, dtypes = ns.engines.split(","), ns.dtypes.split(",")
+    treadle_offline_args = json.loads(ns.treadle_offline_args)   # a typo fails before any run
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_dir = prepare_model(None)
@@ -262,8 +263,7 @@ def main() -> int:
                     if engine == "llamacpp":
                         res = offline_llama(ggufs[dtype], work, out_dir, f"{wname}-{dtype}")
                     else:
-                        res = offline_api(engine, hf_dir, dtype, work, out_dir,
-                                          json.loads(ns.treadle_offline_args))
+                        res = offline_api(engine, hf_dir, dtype, work, out_dir, treadle_offline_args)
                     if engine == "treadle" and dtype == "fp32":
                         reference = res["token_ids"]
                     row = {"output_tok_s": res["output_tokens"] / res["elapsed_s"],

@@ -209,8 +209,10 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """Raises EngineDeadError once the engine core has failed, or a worker has died."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine core failed: {self._dead!r}")
+        # The thread's record first: the loop may not have run _fail_all yet.
+        dead = self._dead or self._core.failure()
+        if dead is not None:
+            raise EngineDeadError(f"the engine core failed: {dead!r}")
         # Asked here, not on the engine thread, which may be busy with a long step.
         reason = self.core.failure()
         if reason is not None:

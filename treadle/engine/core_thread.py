@@ -59,6 +59,12 @@ class EngineCoreThread:
         built.set_result(core)
         self._run()
 
+    def failure(self) -> BaseException | None:
+        """What killed the core, or None. Set before the dead requests' error outputs go out,
+        so whoever reads one of those sees the engine dead here."""
+        with self._lock:
+            return self._failure
+
     def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
         """Run fn(*args, **kwargs) on the engine thread, between two steps."""
         future: Future = Future()

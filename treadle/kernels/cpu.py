@@ -35,6 +35,7 @@ from treadle.models.loader import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # -ffast-math lets GCC vectorise exp (glibc's libmvec) and the reductions; the kernels never
 # feed it an inf or a NaN. No FMA contraction: products round as torch's do.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off"]
@@ -77,7 +78,7 @@ def build_name() -> str:
     keeps its own build instead of rebuilding another's in turn.
     """
     where = [str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent)]
-    parts = [p.read_text() for p in SOURCES] + [torch.__version__, *where, " ".join(CFLAGS),
+    parts = [p.read_text() for p in SOURCES + HEADERS] + [torch.__version__, *where, " ".join(CFLAGS),
                                                 _cpu_flags()]
     return "treadle_cpu_" + hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
 

@@ -38,16 +38,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 # Rows up to which the C++ kernel `small_rows_linear` (treadle/kernels) beats the packed GEMM:
-# at these sizes a layer is bound by reading its weight (docs/benchmarks.md).
-SMALL_ROWS = 2
+# at these sizes a layer is bound by reading its weight. SmolLM2's linears, 2 cores, ms per
+# pass at 1/2/3/4 rows: fp32 16.9/16.9/18.7/20.4 against 24.1/26.6/23.0/21.3, bf16
+# 8.9/9.5/10.6/13.1 against 14.4/15.2/13.1/12.9 (docs/benchmarks.md).
+SMALL_ROWS = 4
 
 
 def _small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.treadle.small_rows_linear(x, weight, bias)
 
 
-# Rows up to which `int8_rows_linear` beats the packed fp32 GEMM (docs/benchmarks.md).
-INT8_ROWS = 4
+# Rows up to which `int8_rows_linear` beats the packed fp32 GEMM: 5.5/11.9/16.0 ms against
+# 21.1/17.2/17.3 at 1/4/6 rows, level at 8 (docs/benchmarks.md).
+INT8_ROWS = 6
 INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0)
 
 

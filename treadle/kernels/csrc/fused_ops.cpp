@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 
 namespace {
@@ -94,7 +96,11 @@ void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+}  // namespace
+
 #define DISPATCH(t, name, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t, name, __VA_ARGS__)
+
+namespace treadle {
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x [rows, 2n], rows contiguous");
@@ -120,7 +126,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   DISPATCH(x.scalar_type(), "rope_", [&] { rope_impl<scalar_t>(x, cos, sin); });
 }
 
-}  // namespace
+}  // namespace treadle
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -129,7 +135,7 @@ TORCH_LIBRARY_FRAGMENT(treadle, m) {
 }
 
 TORCH_LIBRARY_IMPL(treadle, CPU, m) {
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_", &rope_);
+  m.impl("silu_and_mul", &treadle::silu_and_mul);
+  m.impl("rms_norm", &treadle::rms_norm);
+  m.impl("rope_", &treadle::rope_);
 }

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -280,6 +282,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   });
 }
 
+}  // namespace
+
+namespace treadle {
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale) {
@@ -296,11 +302,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   });
 }
 
-}  // namespace
+}  // namespace treadle
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor seq_lens, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(treadle, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(treadle, CPU, m) { m.impl("paged_decode_attention", &treadle::paged_decode_attention); }

@@ -1,0 +1,24 @@
+// The kernels' entry points, for C++ callers (decode_stack.cpp); Python reaches the same
+// functions as torch.ops.treadle.*, registered beside each definition.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace treadle {
+
+// gemv.cpp: y = x @ w.T + bias at up to 8 rows of x, dense or weight-only int8.
+at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& bias);
+
+// fused_ops.cpp
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+
+// paged_decode.cpp: one query token per sequence against its paged K/V.
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, double scale);
+
+}  // namespace treadle

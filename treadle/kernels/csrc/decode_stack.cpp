@@ -1,0 +1,127 @@
+// A pipeline stage's decoder layers for a decode step of a few sequences, in one call.
+//
+// At batch 1 a layer is a dozen small ops around four weight reads. From Python each op costs
+// a module call, the dispatcher and its views, about 4 ms per SmolLM2 step against 16 ms of
+// weight reads. This runs the same kernels in the same order from C++, so its output is the
+// Python path's, bit for bit (tests/test_decode_stack.py); only the interpreter is gone.
+//
+// `DecodeStack` holds the stage's weights (the tensors themselves, so in-place weight loads
+// show through; the model builds a new stack whenever it re-packs or re-quantizes).
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+struct StackLinear {
+  at::Tensor weight;
+  c10::optional<at::Tensor> bias;
+  c10::optional<at::Tensor> q, scales;   // weight-only int8, where the model has it
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return q.has_value() ? treadle::int8_rows_linear(x, *q, *scales, bias)
+                         : treadle::small_rows_linear(x, weight, bias);
+  }
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_attention_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;   // Qwen3's per-head norms
+  std::vector<StackLinear> linears;            // qkv, o, gate_up, down
+};
+
+// Each token's new K and V ([T, kv_heads, head_dim], heads side by side) into its cache slot,
+// as Python's index_copy_ does. The cache is [2, blocks, block_size, kv_heads, head_dim].
+void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  const int64_t elem = k.element_size(), block_size = cache.size(2);
+  const int64_t bytes = k.size(1) * k.size(2) * elem;
+  char* base = static_cast<char*>(cache.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < cache.size(1) * block_size, "cache slot ", slots[t], " out of range");
+    const int64_t at = ((slots[t] / block_size) * cache.stride(1) + (slots[t] % block_size) * cache.stride(2)) * elem;
+    std::memcpy(base + at, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * elem, bytes);
+    std::memcpy(base + at + cache.stride(0) * elem, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * elem, bytes);
+  }
+}
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm) {
+    TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the previous layer lacks linears");
+    layers_.push_back({input_norm, post_attention_norm, q_norm, k_norm, {}});
+  }
+
+  // The current layer's next linear: qkv, o, gate_up, down, in that order.
+  void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> q,
+                  c10::optional<at::Tensor> scales) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "add_layer first, then its 4 linears");
+    TORCH_CHECK(q.has_value() == scales.has_value(), "int8 needs both q and scales");
+    layers_.back().linears.push_back({weight, bias, q, scales});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h [T, hidden] -> h after every layer, T decode tokens with their cache slots, block tables
+  // and lengths (counting the new token). cos/sin [T, 1, head_dim] in h's dtype.
+  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv_caches,
+                     at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the last layer lacks linears");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                slot_mapping.numel() == h.size(0), "slot_mapping: one int64 slot per token");
+    const int64_t t = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& layer = layers_[i];
+      const at::Tensor& cache = kv_caches[i];
+      TORCH_CHECK(cache.dim() == 5 && cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_ &&
+                  cache.stride(3) == head_dim_ && cache.stride(4) == 1 && cache.scalar_type() == h.scalar_type(),
+                  "KV cache [2, blocks, block_size, kv_heads, head_dim], each slot's heads side by side");
+      const at::Tensor qkv = layer.linears[0](treadle::rms_norm(h, layer.input_norm, eps_));
+      at::Tensor q, k;
+      if (!layer.q_norm.has_value()) {   // q and k side by side: one RoPE pass over both
+        at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads_ + num_kv_heads_, head_dim_});
+        treadle::rope_(qk, cos, sin);
+        q = qk.narrow(1, 0, num_heads_);
+        k = qk.narrow(1, num_heads_, num_kv_heads_);
+      } else {
+        q = treadle::rms_norm(qkv.narrow(1, 0, q_size).view({t, num_heads_, head_dim_}), *layer.q_norm, eps_);
+        k = treadle::rms_norm(qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads_, head_dim_}), *layer.k_norm, eps_);
+        treadle::rope_(q, cos, sin);
+        treadle::rope_(k, cos, sin);
+      }
+      write_kv(cache, k, qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_}), slot_mapping);
+      at::Tensor attn = at::empty({t, num_heads_, head_dim_}, h.options());
+      treadle::paged_decode_attention(attn, q, cache.select(0, 0), cache.select(0, 1), block_table, seq_lens, scale_);
+      h = h + layer.linears[1](attn.view({t, q_size}));
+      const at::Tensor gate_up = layer.linears[2](treadle::rms_norm(h, layer.post_attention_norm, eps_));
+      h = h + layer.linears[3](treadle::silu_and_mul(gate_up));
+    }
+    return h;
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  std::vector<StackLayer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(treadle, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_linear", &DecodeStack::add_linear)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}

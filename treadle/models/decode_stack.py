@@ -1,0 +1,55 @@
+"""Decode steps of a few sequences through one C++ call per pipeline stage.
+
+`torch.classes.treadle.DecodeStack` (treadle/kernels/csrc/decode_stack.cpp) runs a stage's
+decoder layers with the kernels the Python layers call, in the same order, so the hidden states
+are the same bits; it only removes the interpreter between ops, about a fifth of a batch-1
+step (docs/benchmarks.md). It serves steps whose every token is a decode, at up to
+`linear.SMALL_ROWS` tokens, where every linear layer is a C++ kernel too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.attention.torch_backend import AttentionMetadata
+from treadle.models import linear
+from treadle.models.linear import Linear
+
+# The stack takes a Linear's int8 copy at every row count it serves, as `linear.linear` does.
+assert linear.SMALL_ROWS <= linear.INT8_ROWS
+
+
+def build(model: torch.nn.Module) -> torch.ScriptObject | None:
+    """A stack over `model`'s layers on this stage, or None where it cannot serve: without
+    the CPU kernels, or with tensor parallelism (its row-parallel layers all-reduce)."""
+    if not model.native_head or model.ctx.tp_size > 1:
+        return None
+    layers = [model.model.layers[i] for i in model.model.layer_range]
+    attn = layers[0].self_attn
+    stack = torch.classes.treadle.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                              layers[0].input_layernorm.eps, attn.attn.scale)
+    for layer in layers:
+        a = layer.self_attn
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        a.q_norm.weight if a.q_norm is not None else None,
+                        a.k_norm.weight if a.k_norm is not None else None)
+        for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            _add_linear(stack, lin)
+    return stack
+
+
+def _add_linear(stack: torch.ScriptObject, lin: Linear) -> None:
+    q, scales = lin.int8.tensors if lin.int8 is not None else (None, None)
+    stack.add_linear(lin.weight, lin.bias, q, scales)
+
+
+def serves(meta: AttentionMetadata, num_tokens: int) -> bool:
+    """Whether a step of `num_tokens` tokens is one the stack runs: decodes only, few of them."""
+    return (meta.native_decode is not None and meta.num_decodes == num_tokens
+            and num_tokens <= linear.SMALL_ROWS)
+
+
+def forward(stack: torch.ScriptObject, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    decode = meta.native_decode
+    return stack.forward(h, cos, sin, kv_caches, meta.slot_mapping, decode.block_table, decode.seq_lens)

@@ -66,6 +66,7 @@ def test_bench_floor_counts_the_weights_a_step_reads(tiny_checkpoints, tmp_path,
         expected -= hf.get_input_embeddings().weight.numel() * 4   # a lookup reads one row
     assert report["weight_bytes_per_step"] == expected
     assert report["copy_bandwidth_gb_s"] > 0 and report["tpot_ms_median"] > 0
+    assert len(report["copy_bandwidth_gb_s_all"]) == 3   # one beside each timed iteration
     assert report["tpot_over_floor"] == pytest.approx(report["tpot_ms_median"] / report["floor_ms"])
     with pytest.raises(SystemExit):   # --output-len below 2 has no decode step to time
         main(["bench", "floor", "--model", path, "--output-len", "1"])

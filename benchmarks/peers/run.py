@@ -169,7 +169,7 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], port: int,
+def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], port: int, slots: int,
                  log: Path, treadle_args: list[str]) -> subprocess.Popen:
     max_len = str(SERVING["input_len"][1] + SERVING["output_len"][1] + 8)
     if engine == "treadle":
@@ -181,19 +181,19 @@ def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], po
                "--model", hf_dir, "--port", str(port), "--dtype", DTYPES[dtype][0],
                "--max-model-len", max_len, "--no-enable-prefix-caching"]
         return subprocess.Popen(cmd, env=vllm_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    return start_llama_server(ggufs[dtype], max(SERVING_LEVELS), port, log)
+    return start_llama_server(ggufs[dtype], slots, port, log)
 
 
 def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokenizer_dir: str,
-            out_dir: Path, treadle_args: list[str], requests_per_level: int
-            ) -> dict[int, dict[str, Any]]:
+            out_dir: Path, treadle_args: list[str], requests_per_level: int,
+            levels: tuple[int, ...] = SERVING_LEVELS) -> dict[int, dict[str, Any]]:
     port = _free_port()
-    server = start_server(engine, dtype, hf_dir, ggufs, port,
+    server = start_server(engine, dtype, hf_dir, ggufs, port, max(levels),
                           out_dir / f"serve-{engine}-{dtype}.log", treadle_args)
     results = {}
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
-        for level in SERVING_LEVELS:
+        for level in levels:
             path = out_dir / f"serve-{engine}-{dtype}-c{level}.json"
             n = max(8, requests_per_level * level)
             lo, hi = SERVING["input_len"]
@@ -228,6 +228,9 @@ def main() -> int:
     parser.add_argument("--no-offline", action="store_true", help="the serving sweep only")
     parser.add_argument("--serving-dtypes", default="fp32",
                         help="dtypes of the serving sweep [default: fp32]")
+    parser.add_argument("--serving-levels", default=",".join(map(str, SERVING_LEVELS)),
+                        help="requests in flight at each level of the serving sweep "
+                             f"[default: {','.join(map(str, SERVING_LEVELS))}]")
     parser.add_argument("--requests-per-level", type=int, default=SERVING["requests_per_level"],
                         help="requests per unit of concurrency at each level (at least 8) "
                              f"[default: {SERVING['requests_per_level']}]")
@@ -242,6 +245,7 @@ def main() -> int:
     ns = parser.parse_args()
     engines, dtypes = ns.engines.split(","), ns.dtypes.split(",")
     treadle_offline_args = json.loads(ns.treadle_offline_args)   # a typo fails before any run
+    levels = tuple(int(level) for level in ns.serving_levels.split(","))
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_dir = prepare_model(None)
@@ -279,7 +283,7 @@ def main() -> int:
             for engine in engines:
                 report["serving"].setdefault(dtype, {})[engine] = serving(
                     engine, dtype, hf_dir, ggufs, hf_dir, out_dir,
-                    shlex.split(ns.treadle_serve_args), ns.requests_per_level)
+                    shlex.split(ns.treadle_serve_args), ns.requests_per_level, levels)
                 print(f"serving {dtype} {engine} done", flush=True)
                 save(report, out_dir)
 

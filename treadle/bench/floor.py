@@ -5,7 +5,8 @@ than (weight bytes read per step) / (memory bandwidth). This measures both on th
 reports the ratio of the measured time per output token to that floor:
   - bandwidth: a large tensor copy (`--copy-mib`, well past the caches) on torch's threads,
     counted as STREAM's copy counts it, bytes read plus bytes written (a GEMV streaming weights
-    can read faster than that, so the floor is a conservative yardstick, not a hard limit);
+    can read faster than that, so the floor is a conservative yardstick, not a hard limit),
+    measured beside each timed iteration and taken as the median;
   - weight bytes per step: every parameter the step reads in full (the embedding table only when
     it is also the output head, since a lookup reads one row);
   - TPOT: one prompt of --input-len tokens generating --output-len tokens and then 1 token; the
@@ -84,7 +85,6 @@ def main(ns: argparse.Namespace) -> int:
     llm = LLM(**engine_args)
     model = llm.engine.core.executor.worker.runner.model
     weight_bytes = weight_bytes_per_step(model)
-    bandwidth = copy_bandwidth(ns.copy_mib)
 
     def latency(output_len: int, seed: int) -> float:
         work = make_workload(llm.get_tokenizer(), 1, (ns.input_len,) * 2, (output_len,) * 2, seed)
@@ -94,20 +94,25 @@ def main(ns: argparse.Namespace) -> int:
         return time.perf_counter() - start
 
     latency(ns.output_len, 10_000)   # warm-up
-    tpots, longs, shorts = [], [], []
+    tpots, longs, shorts, bandwidths = [], [], [], []
     for it in range(ns.num_iters):
+        # Beside each timing: this machine's bandwidth moved between 32 and 55 GB/s within
+        # minutes, and a floor measured once, apart from the decode, compares two moments.
+        bandwidths.append(copy_bandwidth(ns.copy_mib, iters=3))
         longs.append(latency(ns.output_len, it))
         shorts.append(latency(1, it))
         tpots.append((longs[-1] - shorts[-1]) / (ns.output_len - 1))
     # Medians of each length, not of the differences: one slow short run (a hiccup of a few
     # ms) cannot then swing a tiny model's TPOT below zero.
     tpot = float(np.median(longs) - np.median(shorts)) / (ns.output_len - 1)
+    bandwidth = float(np.median(bandwidths))
     floor = weight_bytes / bandwidth
     host = machine()
     report: dict[str, Any] = {
         "command": " ".join(["treadle", *sys.argv[1:]]), "machine": host,
         "engine_args": engine_args, "dtype": str(llm.engine.config.model.dtype).removeprefix("torch."),
         "weight_bytes_per_step": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "copy_bandwidth_gb_s_all": [b / 1e9 for b in bandwidths],
         "floor_ms": 1000 * floor, "tpot_ms_median": 1000 * tpot,
         "tpot_ms_all": [1000 * t for t in tpots], "tpot_over_floor": tpot / floor,
     }

@@ -1,7 +1,8 @@
-"""The decode stack (models/decode_stack.py): a stage's layers in one C++ call for steps of a
-few decodes. It must compute the Python layers' bits exactly, so greedy tokens and every
-logprob agree with the stack on and off, for each architecture, with int8, and at each batch
-size it serves; and it must actually run."""
+"""The decode stack (models/decode_stack.py): a stage's layers in one C++ call for steps of
+decodes only. It must compute the Python layers' bits exactly, so greedy tokens and every
+logprob agree with the stack on and off, for each architecture, with int8, and at batch sizes
+on each side of the few-row kernels' limits (the stack then takes oneDNN's packed GEMM, as the
+Python layers do); and it must actually run."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from treadle.models import decode_stack, linear
 CPU = torch.device("cpu")
 needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
 
-PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 11, [42, 17, 99, 5, 23, 64, 1000]]
+PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 11, [42, 17, 99, 5, 23, 64, 1000],
+           [5, 4, 3], [900, 901], [31, 41, 59, 26, 53], [2718, 28]]
+assert len(PROMPTS) > max(linear.SMALL_ROWS, linear.INT8_ROWS)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
@@ -40,12 +43,14 @@ def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, ar
     model = llm.engine.core.executor.worker.runner.model
     try:
         assert model.decode_stack is not None and model.decode_stack.num_layers() == 3
-        # One prompt at a time (batch 1), then all four together (up to SMALL_ROWS decodes).
-        with_stack = [_generate(llm, [p])[0] for p in PROMPTS] + _generate(llm, PROMPTS)
-        assert 1 in calls and linear.SMALL_ROWS in calls and max(calls) <= linear.SMALL_ROWS
+        # Batch 1, then the few-row kernels' largest batch, then one past both limits.
+        with_stack = ([_generate(llm, [p])[0] for p in PROMPTS[:3]]
+                      + _generate(llm, PROMPTS[:linear.SMALL_ROWS]) + _generate(llm, PROMPTS))
+        assert {1, linear.SMALL_ROWS, len(PROMPTS)} <= set(calls)
         stack, model.decode_stack = model.decode_stack, None
         calls.clear()
-        without = [_generate(llm, [p])[0] for p in PROMPTS] + _generate(llm, PROMPTS)
+        without = ([_generate(llm, [p])[0] for p in PROMPTS[:3]]
+                   + _generate(llm, PROMPTS[:linear.SMALL_ROWS]) + _generate(llm, PROMPTS))
         assert not calls
         assert with_stack == without   # token ids and every logprob, bit for bit
         model.decode_stack = stack
@@ -75,14 +80,14 @@ def test_a_weight_update_rebuilds_the_stack(tiny_checkpoints):
 
 @needs_native
 def test_stack_refuses_what_it_cannot_run():
-    stack = torch.classes.treadle.DecodeStack(4, 2, 16, 1e-6, 0.25)   # hidden 64: q 64, k and v 32
+    stack = torch.classes.treadle.DecodeStack(4, 2, 16, 1e-6, 0.25, 4, 6)   # hidden 64: q 64, k and v 32
     qkv, o, gate_up, down = torch.zeros(128, 64), torch.zeros(64, 64), torch.zeros(256, 64), torch.zeros(64, 128)
     with pytest.raises(RuntimeError, match="add_layer first"):
-        stack.add_linear(qkv, None, None, None)
+        stack.add_linear(qkv, None, None, None, None)
     stack.add_layer(torch.ones(64), torch.ones(64), None, None)
     with pytest.raises(RuntimeError, match="both q and scales"):
-        stack.add_linear(qkv, None, torch.zeros(128, 64, dtype=torch.int8), None)
-    stack.add_linear(qkv, None, None, None)
+        stack.add_linear(qkv, None, torch.zeros(128, 64, dtype=torch.int8), None, None)
+    stack.add_linear(qkv, None, None, None, None)
 
     def forward(caches, slot):
         return stack.forward(torch.zeros(1, 64), torch.ones(1, 1, 16), torch.zeros(1, 1, 16), caches,
@@ -93,7 +98,7 @@ def test_stack_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="lacks linears"):
         forward([cache], 0)
     for weight in (o, gate_up, down):
-        stack.add_linear(weight, None, None, None)
+        stack.add_linear(weight, None, None, None, None)
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
         forward([], 0)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -1,10 +1,10 @@
-"""Decode steps of a few sequences through one C++ call per pipeline stage.
+"""Decode steps through one C++ call per pipeline stage.
 
 `torch.classes.treadle.DecodeStack` (treadle/kernels/csrc/decode_stack.cpp) runs a stage's
-decoder layers with the kernels the Python layers call, in the same order, so the hidden states
-are the same bits; it only removes the interpreter between ops, about a fifth of a batch-1
-step (docs/benchmarks.md). It serves steps whose every token is a decode, at up to
-`linear.SMALL_ROWS` tokens, where every linear layer is a C++ kernel too.
+decoder layers with the kernels the Python layers call, chosen by the same rules
+(`linear.linear`) and run in the same order, so the hidden states are the same bits; it only
+removes the interpreter between ops, about a fifth of a batch-1 step (docs/benchmarks.md). It
+serves steps whose every token is a decode; steps with prefill chunks keep the Python layers.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from treadle.attention.torch_backend import AttentionMetadata
 from treadle.models import linear
 from treadle.models.linear import Linear
 
-# The stack takes a Linear's int8 copy at every row count it serves, as `linear.linear` does.
-assert linear.SMALL_ROWS <= linear.INT8_ROWS
-
 
 def build(model: torch.nn.Module) -> torch.ScriptObject | None:
     """A stack over `model`'s layers on this stage, or None where it cannot serve: without
@@ -27,7 +24,8 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
     layers = [model.model.layers[i] for i in model.model.layer_range]
     attn = layers[0].self_attn
     stack = torch.classes.treadle.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                              layers[0].input_layernorm.eps, attn.attn.scale)
+                                              layers[0].input_layernorm.eps, attn.attn.scale,
+                                              linear.SMALL_ROWS, linear.INT8_ROWS)
     for layer in layers:
         a = layer.self_attn
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -40,13 +38,12 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
 
 def _add_linear(stack: torch.ScriptObject, lin: Linear) -> None:
     q, scales = lin.int8.tensors if lin.int8 is not None else (None, None)
-    stack.add_linear(lin.weight, lin.bias, q, scales)
+    stack.add_linear(lin.weight, lin.bias, q, scales, lin.packed)
 
 
 def serves(meta: AttentionMetadata, num_tokens: int) -> bool:
-    """Whether a step of `num_tokens` tokens is one the stack runs: decodes only, few of them."""
-    return (meta.native_decode is not None and meta.num_decodes == num_tokens
-            and num_tokens <= linear.SMALL_ROWS)
+    """Whether a step of `num_tokens` tokens is one the stack runs: decodes only."""
+    return meta.native_decode is not None and meta.num_decodes == num_tokens
 
 
 def forward(stack: torch.ScriptObject, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

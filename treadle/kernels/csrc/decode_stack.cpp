@@ -1,13 +1,15 @@
-// A pipeline stage's decoder layers for a decode step of a few sequences, in one call.
+// A pipeline stage's decoder layers for a step of decodes only, in one call.
 //
 // At batch 1 a layer is a dozen small ops around four weight reads. From Python each op costs
-// a module call, the dispatcher and its views, about 4 ms per SmolLM2 step against 16 ms of
-// weight reads. This runs the same kernels in the same order from C++, so its output is the
+// a module call, the dispatcher and its views: about 5 ms of a 24 ms SmolLM2 step, against 16
+// ms of weight reads. This runs the same kernels in the same order from C++, so its output is the
 // Python path's, bit for bit (tests/test_decode_stack.py); only the interpreter is gone.
 //
 // `DecodeStack` holds the stage's weights (the tensors themselves, so in-place weight loads
 // show through; the model builds a new stack whenever it re-packs or re-quantizes).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -18,14 +20,34 @@
 
 namespace {
 
+// Rows up to which each few-row kernel serves (models/linear.py's SMALL_ROWS and INT8_ROWS).
+struct RowLimits {
+  int64_t small_rows, int8_rows;
+};
+
+// oneDNN's GEMM on a packed weight, the op models/linear.py calls, through the dispatcher.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                          c10::IValue(std::string("none")), c10::IValue(c10::List<c10::optional<at::Scalar>>()),
+                          c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 struct StackLinear {
   at::Tensor weight;
   c10::optional<at::Tensor> bias;
   c10::optional<at::Tensor> q, scales;   // weight-only int8, where the model has it
+  c10::optional<at::Tensor> packed;      // oneDNN's packed copy, where there is one
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    return q.has_value() ? treadle::int8_rows_linear(x, *q, *scales, bias)
-                         : treadle::small_rows_linear(x, weight, bias);
+  // The same choice as models/linear.py's linear(), so the same bits.
+  at::Tensor operator()(const at::Tensor& x, const RowLimits& limits) const {
+    const int64_t rows = x.size(0);
+    if (q.has_value() && rows <= limits.int8_rows) return treadle::int8_rows_linear(x, *q, *scales, bias);
+    if (rows <= limits.small_rows) return treadle::small_rows_linear(x, weight, bias);
+    return packed.has_value() ? packed_linear(x, *packed, bias) : at::linear(x, weight, bias);
   }
 };
 
@@ -52,8 +74,10 @@ void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v,
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              int64_t small_rows, int64_t int8_rows)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        limits_{small_rows, int8_rows} {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm) {
@@ -63,10 +87,10 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // The current layer's next linear: qkv, o, gate_up, down, in that order.
   void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> q,
-                  c10::optional<at::Tensor> scales) {
+                  c10::optional<at::Tensor> scales, c10::optional<at::Tensor> packed) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "add_layer first, then its 4 linears");
     TORCH_CHECK(q.has_value() == scales.has_value(), "int8 needs both q and scales");
-    layers_.back().linears.push_back({weight, bias, q, scales});
+    layers_.back().linears.push_back({weight, bias, q, scales, packed});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -86,7 +110,7 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(cache.dim() == 5 && cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_ &&
                   cache.stride(3) == head_dim_ && cache.stride(4) == 1 && cache.scalar_type() == h.scalar_type(),
                   "KV cache [2, blocks, block_size, kv_heads, head_dim], each slot's heads side by side");
-      const at::Tensor qkv = layer.linears[0](treadle::rms_norm(h, layer.input_norm, eps_));
+      const at::Tensor qkv = layer.linears[0](treadle::rms_norm(h, layer.input_norm, eps_), limits_);
       at::Tensor q, k;
       if (!layer.q_norm.has_value()) {   // q and k side by side: one RoPE pass over both
         at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads_ + num_kv_heads_, head_dim_});
@@ -102,9 +126,9 @@ class DecodeStack : public torch::CustomClassHolder {
       write_kv(cache, k, qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_}), slot_mapping);
       at::Tensor attn = at::empty({t, num_heads_, head_dim_}, h.options());
       treadle::paged_decode_attention(attn, q, cache.select(0, 0), cache.select(0, 1), block_table, seq_lens, scale_);
-      h = h + layer.linears[1](attn.view({t, q_size}));
-      const at::Tensor gate_up = layer.linears[2](treadle::rms_norm(h, layer.post_attention_norm, eps_));
-      h = h + layer.linears[3](treadle::silu_and_mul(gate_up));
+      h = h + layer.linears[1](attn.view({t, q_size}), limits_);
+      const at::Tensor gate_up = layer.linears[2](treadle::rms_norm(h, layer.post_attention_norm, eps_), limits_);
+      h = h + layer.linears[3](treadle::silu_and_mul(gate_up), limits_);
     }
     return h;
   }
@@ -112,6 +136,7 @@ class DecodeStack : public torch::CustomClassHolder {
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
+  RowLimits limits_;
   std::vector<StackLayer> layers_;
 };
 
@@ -119,7 +144,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_linear", &DecodeStack::add_linear)
       .def("num_layers", &DecodeStack::num_layers)

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #include <cstring>
 #include <type_traits>
@@ -54,16 +55,12 @@ struct DenseRows {
   float at(int64_t col, int64_t i) const { return to_float(w[col * k + i]); }
 #ifdef __AVX512F__
   __m512 load16v(int64_t col, int64_t i) const {
-    const scalar_t* src = w + col * k + i;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      return _mm512_loadu_ps(src);
-    } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {   // bf16 is fp32's top half
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    } else {
+    if constexpr (std::is_same_v<scalar_t, double>) {   // rounded to fp32 one by one
       float out[kLanes];
       load16(col, i, out);
       return _mm512_loadu_ps(out);
+    } else {
+      return treadle::vec::load16(w + col * k + i);
     }
   }
 #endif

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -119,14 +120,7 @@ void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, floa
 }
 
 #ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using treadle::vec::load16;
 
 // Lane i of the result is the sum of the 16 lanes of v[i]: a tree of 15 adds, each halving
 // the vectors left, where 16 separate horizontal sums take 4 shuffles and 4 adds apiece.

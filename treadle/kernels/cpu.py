@@ -5,9 +5,13 @@
 - `paged_prefill_attention`: the same for prefill chunks (causal, after any cached context),
   all of a step's chunks in one call where the torch path makes a gather, a mask and an SDPA
   call per chunk.
-- `small_rows_linear`: a linear layer at 1-2 rows (batch-1 decode), which streams each weight
-  row once where oneDNN's GEMM, tuned for many rows, reads weights at about half that rate.
-- `int8_rows_linear`: the same over weight-only int8 rows (`quantization="int8"`), up to 4 rows.
+- `small_rows_linear`: a linear layer at a few rows (small-batch decode; `linear.SMALL_ROWS`),
+  which streams each weight row once where oneDNN's GEMM, tuned for many rows, reads weights
+  at about half that rate.
+- `int8_rows_linear`: the same over weight-only int8 rows (`quantization="int8"`,
+  `linear.INT8_ROWS`).
+- `DecodeStack` (a class): a stage's decoder layers over these kernels in one call, for steps
+  of decodes only (models/decode_stack.py).
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch
   expressions they replace make three to five.
 

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         # int8 copy of the head; on a first stage of several with a tied head, of the embedding
         self._int8_head: linear.Int8Weight | None = None
         self.native_head = False   # the head through the C++ kernel at a few rows
-        # This stage's layers in one C++ call for steps of a few decodes (models/decode_stack.py);
+        # This stage's layers in one C++ call for steps of decodes only (models/decode_stack.py);
         # built with the packed weights once the CPU kernels serve the model.
         self.decode_stack: torch.ScriptObject | None = None
         # A tied head is the embedding, unless the embedding lives on another stage: then the

@@ -2,9 +2,9 @@
 //
 // At a handful of rows a linear layer is bound by reading its weight from memory once, not by
 // arithmetic. oneDNN's GEMM, tuned for large M, reached about half of the copy bandwidth at
-// M = 1 here; this streams each weight row once, in order (which the hardware prefetcher
-// follows), and multiplies it against every row of x while it is in L1. Accumulates in fp32
-// and rounds once to the output dtype, as a GEMM does.
+// M = 1 here; this streams each weight row once, each thread along two sequential runs of rows
+// (which the hardware prefetcher follows), and multiplies it against every row of x while it
+// is in L1. Accumulates in fp32 and rounds once to the output dtype, as a GEMM does.
 //
 // `int8_rows_linear` is the same loop over weight-only int8 rows (opt-in quantization): a
 // quarter of the fp32 bytes to stream at batch 1.

@@ -30,9 +30,16 @@ namespace {
 
 // Queries per lane vector: one AVX-512 register of fp32 (two AVX2 ones).
 constexpr int64_t kLanes = 16;
-// Keys per tile, and how many of them one pass of the QK micro-kernel keeps in registers.
+// Keys per tile, and how many of them one pass of the QK micro-kernel keeps in registers. With
+// AVX-512's 32 registers all 16, so each q vector load serves 16 multiply-adds (4 prompts of
+// 512, fp32: 1.16x over 8; 32-key tiles or 96-query items were slower, docs/benchmarks.md).
+// AVX2 has 16 registers, half as wide.
 constexpr int64_t kKeys = 16;
+#ifdef __AVX512F__
+constexpr int64_t kKeyBlock = 16;
+#else
 constexpr int64_t kKeyBlock = 8;
+#endif
 // head_dim entries per pass of the PV micro-kernel; V rows are padded to a multiple of it.
 constexpr int64_t kDimBlock = 8;
 // Query vectors (rows x the group's heads) per work item: enough that a K/V tile serves many

@@ -59,13 +59,9 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of the parameters a decode step reads in full: all of them, except an embedding
     table that is not also the output head (a lookup reads one row per token). A weight with
     an int8 copy counts that copy, which is what batch-1 decode reads."""
-    from treadle.models.linear import Linear
-
     embed = model.model.embed_tokens
     skip = embed.weight if embed is not None and not model.tie_word_embeddings else None
-    int8 = {id(m.weight): m.int8 for m in model.modules() if isinstance(m, Linear) and m.int8 is not None}
-    if model._int8_head is not None:
-        int8[id(model._head_weight())] = model._int8_head
+    int8 = model.int8_copies()
     total = 0
     for p in model.parameters():
         if p is skip:

@@ -248,6 +248,15 @@ class LlamaForCausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def int8_copies(self) -> dict[int, linear.Int8Weight]:
+        """The int8 copy that decode reads in place of a weight, by the weight's id: every
+        quantized Linear's, and a tied head's (the embedding table's)."""
+        copies = {id(m.weight): m.int8 for m in self.modules()
+                  if isinstance(m, linear.Linear) and m.int8 is not None}
+        if self._int8_head is not None:
+            copies[id(self._head_weight())] = self._int8_head
+        return copies
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         int8 = self._int8_head.tensors if self._int8_head is not None else None

@@ -16,17 +16,15 @@ from treadle.structured_output.params import StructuredOutputsParams
 _COMPILE_THREADS = 2
 
 
-def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
-    kind, ws = params.kind, not params.disable_any_whitespace
-    if kind == "json":
-        return xgr.Grammar.from_json_schema(json.dumps(params.json), any_whitespace=ws)
-    if kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=ws)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(params.regex)
-    if kind == "choice":
-        return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
-    return xgr.Grammar.from_ebnf(params.grammar)
+def _source(params: StructuredOutputsParams) -> tuple[str, str]:
+    """The request's grammar as (language, text): a JSON schema ("json"), a regex, or EBNF."""
+    if params.kind == "json":
+        return "json", json.dumps(params.json)
+    if params.kind == "json_object":
+        return "json", '{"type": "object"}'
+    if params.kind == "regex":
+        return "regex", params.regex
+    return "ebnf", choice_grammar(params.choice) if params.kind == "choice" else params.grammar
 
 
 class XgrammarBackend(GrammarBackend):
@@ -40,22 +38,27 @@ class XgrammarBackend(GrammarBackend):
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
+        language, text = _source(params)
         try:
-            _grammar(params)
+            if language == "json":
+                xgr.Grammar.from_json_schema(text, any_whitespace=not params.disable_any_whitespace)
+            elif language == "regex":
+                xgr.Grammar.from_regex(text)
+            else:
+                xgr.Grammar.from_ebnf(text)
         except RuntimeError as e:
             raise GrammarError(f"invalid structured_outputs.{params.kind}: {engine_message(e)}") from None
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         # The compiler's text-keyed entry points, so that a repeat is a cache hit.
-        kind, ws = params.kind, not params.disable_any_whitespace
+        language, text = _source(params)
         try:
-            if kind in ("json", "json_object"):
-                schema = json.dumps(params.json) if kind == "json" else '{"type": "object"}'
-                return self.compiler.compile_json_schema(schema, any_whitespace=ws)
-            if kind == "regex":
-                return self.compiler.compile_regex(params.regex)
-            return self.compiler.compile_grammar(
-                choice_grammar(params.choice) if kind == "choice" else params.grammar)
+            if language == "json":
+                return self.compiler.compile_json_schema(
+                    text, any_whitespace=not params.disable_any_whitespace)
+            if language == "regex":
+                return self.compiler.compile_regex(text)
+            return self.compiler.compile_grammar(text)
         except RuntimeError as e:
             raise GrammarError(f"invalid structured_outputs.{params.kind}: {engine_message(e)}") from None
 

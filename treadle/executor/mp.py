@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
 # How long a failed step waits for another rank's death to show, before blaming the step.
-DEATH_GRACE_S = 0.2
+DEATH_GRACE_S = 1.0
 
 
 class WorkerFailedError(EngineDeadError):
@@ -148,11 +148,19 @@ class MultiprocExecutor:
         call_id, rank, ok, value = pickle.loads(message)
         if not ok and call_id not in self._control_calls:
             # A rank whose peer died fails on the broken connection: report the death, the cause.
-            multiprocessing.connection.wait([p.sentinel for p in self.procs], DEATH_GRACE_S)
+            self._reap_the_dying()
             self._check_processes()
             what = "failed to start" if starting else "failed a step"
             self._fail(f"worker rank {rank} {what}: {value.kind}: {value.message}", value)
         self._replies[(call_id, rank)] = (ok, value)
+
+    def _reap_the_dying(self) -> None:
+        """Wait up to DEATH_GRACE_S for a death, and reap the dead: a killed process's sentinel
+        shows a moment before its exit code can be read."""
+        dead = multiprocessing.connection.wait([p.sentinel for p in self.procs], DEATH_GRACE_S)
+        for proc in self.procs:
+            if proc.sentinel in dead:
+                proc.join(DEATH_GRACE_S)
 
     def _check_processes(self) -> None:
         for rank, proc in enumerate(self.procs):

@@ -232,12 +232,12 @@ def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypat
     assert runs["1"] == runs["0"]
 
 
-def _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, seed=0):
+def _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim=64, seed=0):
     """A cache with scattered blocks and the spans' (context, query) K/V in it, every other
     slot NaN: a kernel that reads past a span's keys shows it. q is a strided view into a
     fused qkv tensor, as the model hands it over."""
     rng = np.random.default_rng(seed)
-    head_dim, num_blocks = 64, 512
+    num_blocks = 512
     totals = [ctx + n for ctx, n in spans]
     max_blocks = -(-max(totals) // block_size)
     table = np.zeros((len(spans), max_blocks), dtype=np.int32)
@@ -282,10 +282,12 @@ PREFILL_SPANS = [(0, 37), (0, 1), (300, 4), (17, 1), (5, 100), (0, 0), (64, 20),
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (4, 2)])
-@pytest.mark.parametrize("block_size", [16, 8])
-def test_native_prefill_matches_dense_attention(dtype, tol, heads, kv_heads, block_size):
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 64), (8, 64), (16, 40)])
+def test_native_prefill_matches_dense_attention(dtype, tol, heads, kv_heads, block_size, head_dim):
+    """Block sizes that hold whole 16-key tiles (fp32 reads them in place) and one that does
+    not; a head_dim that is not a multiple of 16 (the transposes' leftover path)."""
     q, k_cache, v_cache, table, query_start = _paged_prefill_case(PREFILL_SPANS, heads, kv_heads,
-                                                                  block_size, dtype)
+                                                                  block_size, dtype, head_dim)
     context_lens = [ctx for ctx, _ in PREFILL_SPANS]
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     scale = q.shape[-1] ** -0.5

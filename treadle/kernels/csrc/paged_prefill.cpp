@@ -22,9 +22,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -47,8 +52,63 @@ constexpr int64_t kDimBlock = 8;
 constexpr int64_t kItemQueries = 48;
 // Below any score, yet finite: -ffast-math assumes no inf.
 constexpr float kMasked = -1e30f;
+// exp's argument is kept above this, where exp is still a normal float (1.6e-38, nothing
+// next to the row's largest term, 1): libmvec's vector exp takes a slow scalar path for
+// lanes far out of range, such as masked keys. Masked keys get p = 0 by a select instead.
+constexpr float kExpFloor = -87.f;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#ifdef __AVX512F__
+// Lane indices for _mm512_permutex2var_ps(a, idx, b) that swap bit `bit` of the row index with
+// the same bit of the column index, for rows i (bit clear, kLow) and i + bit (kHigh): 0-15 pick
+// from row i, 16-31 from row i + bit.
+constexpr std::array<int32_t, 16> swap_indices(int bit, bool high) {
+  std::array<int32_t, 16> idx{};
+  for (int c = 0; c < 16; ++c) {
+    if (high) idx[c] = (c & bit) ? 16 + c : c + bit;
+    else idx[c] = (c & bit) ? 16 + c - bit : c;
+  }
+  return idx;
+}
+
+template <int Bit>
+inline void swap_round(__m512 (&r)[16]) {
+  static constexpr std::array<int32_t, 16> kLow = swap_indices(Bit, false), kHigh = swap_indices(Bit, true);
+  const __m512i low = _mm512_loadu_si512(kLow.data()), high = _mm512_loadu_si512(kHigh.data());
+  for (int i = 0; i < 16; ++i) {
+    if (i & Bit) continue;
+    const __m512 a = r[i], b = r[i + Bit];
+    r[i] = _mm512_permutex2var_ps(a, low, b);
+    r[i + Bit] = _mm512_permutex2var_ps(a, high, b);
+  }
+}
+#endif
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols. With AVX-512, whole 16 x 16
+// blocks go through registers: four rounds each swap one bit of the row index with the same
+// bit of the column index. The values are moved, never changed.
+void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const float* s = src + r0 * ld_src + c0;
+      float* d = dst + c0 * ld_dst + r0;
+#ifdef __AVX512F__
+      if (r0 + 16 <= rows && c0 + 16 <= cols) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(s + i * ld_src);
+        swap_round<1>(r);
+        swap_round<2>(r);
+        swap_round<4>(r);
+        swap_round<8>(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(d + i * ld_dst, r[i]);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i)
+        for (int64_t j = 0; j < std::min<int64_t>(16, cols - c0); ++j) d[j * ld_dst + i] = s[i * ld_src + j];
+    }
+}
 
 struct Item {
   int64_t span, kv_head, row0, row1;  // rows row0..row1 of the span
@@ -90,14 +150,17 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t max_width = round_up(rows_per_item * group, kLanes);
   const int64_t dim_pad = round_up(head_dim, kDimBlock);
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  // fp32 tiles that lie in one block need no copy (V's rows then need no padding either).
+  const bool in_place = std::is_same_v<scalar_t, float> && block_size % kKeys == 0 && head_dim == dim_pad;
   const int64_t threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // Scratch from ATen's allocator, 64-byte aligned (a lane vector misaligned straddles two
     // cache lines on every access), carved at multiples of kLanes floats. Per query lane: q
     // (scaled) and acc, [d][lane]; the running max and sum; its position. Then the key tile
-    // in fp32, [key][d]; V's padding columns stay zero, so acc's do too.
-    at::Tensor scratch = at::zeros({(head_dim + dim_pad + 2) * max_width + 2 * kKeys * dim_pad}, at::kFloat);
+    // in fp32, [key][d]; V's padding columns stay zero, so acc's do too. Then the queries
+    // in, and the outputs out, [lane][d], to be transposed.
+    at::Tensor scratch = at::zeros({(head_dim + 2 * dim_pad + 2) * max_width + 2 * kKeys * dim_pad}, at::kFloat);
     at::Tensor positions = at::empty({max_width}, at::kInt);
     float* qt = scratch.data_ptr<float>();
     float* acc = qt + head_dim * max_width;
@@ -105,6 +168,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     float* l = m + max_width;
     float* kt = l + max_width;
     float* vt = kt + kKeys * dim_pad;
+    float* rows_in_out = vt + kKeys * dim_pad;
     int32_t* pos = positions.data_ptr<int32_t>();
     alignas(64) float p[kKeys][kLanes];
     for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) {
@@ -123,9 +187,12 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       }
       for (int64_t i = 0; i < lanes; ++i) {
         const scalar_t* src = q_data + (first_row + i / group) * q_tok + (first_head + i % group) * q_head;
-        for (int64_t d = 0; d < head_dim; ++d) qt[d * width + i] = static_cast<float>(src[d]) * fscale;
+        float* dst = rows_in_out + i * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
       }
-      for (int64_t d = 0; d < head_dim; ++d) std::fill(&qt[d * width + lanes], &qt[d * width + width], 0.f);
+      std::fill(rows_in_out + lanes * head_dim, rows_in_out + width * head_dim, 0.f);
+      transpose(rows_in_out, head_dim, qt, width, width, head_dim);
       std::fill(acc, acc + dim_pad * width, 0.f);
 
       const int64_t end = ctx + it.row1;  // the item's last row sees keys 0..end-1
@@ -133,31 +200,44 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         return table[t / block_size] * c_block + (t % block_size) * c_tok + it.kv_head * c_head;
       };
       for (int64_t t0 = 0; t0 < end; t0 += kKeys) {
-        // Keys past `end` are zeros, not whatever the cache holds there: p is 0 for them,
-        // but 0 times a stale NaN is still NaN.
-        for (int64_t j = 0; j < kKeys; ++j) {
-          float* kr = kt + j * dim_pad;
-          float* vr = vt + j * dim_pad;
-          const int64_t t = t0 + j;
-          if (t >= end) {
-            std::fill(kr, kr + head_dim, 0.f);
-            std::fill(vr, vr + head_dim, 0.f);
-            continue;
-          }
-          const int64_t off = row_of(t);
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) {
-            kr[d] = static_cast<float>(k_data[off + d]);
-            vr[d] = static_cast<float>(v_data[off + d]);
-          }
-          // The next tile's row, requested while this tile computes: blocks are scattered,
-          // so the hardware prefetcher alone restarts at every block.
-          if (t + kKeys < end) {
-            const int64_t ahead = row_of(t + kKeys);
-            for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(k_data + ahead) + byte);
-              __builtin_prefetch(reinterpret_cast<const char*>(v_data + ahead) + byte);
+        // The tile's K and V rows, kv_stride floats apart. A whole fp32 tile inside one
+        // block is read where it lies; any other is converted into kt/vt first.
+        const float *kr0, *vr0;
+        int64_t kv_stride;
+        if (in_place && t0 + kKeys <= end) {
+          kr0 = reinterpret_cast<const float*>(k_data) + row_of(t0);
+          vr0 = reinterpret_cast<const float*>(v_data) + row_of(t0);
+          kv_stride = c_tok;
+        } else {
+          kr0 = kt;
+          vr0 = vt;
+          kv_stride = dim_pad;
+          // Keys past `end` are zeros, not whatever the cache holds there: p is 0 for them,
+          // but 0 times a stale NaN is still NaN.
+          for (int64_t j = 0; j < kKeys; ++j) {
+            float* kr = kt + j * dim_pad;
+            float* vr = vt + j * dim_pad;
+            const int64_t t = t0 + j;
+            if (t >= end) {
+              std::fill(kr, kr + head_dim, 0.f);
+              std::fill(vr, vr + head_dim, 0.f);
+              continue;
             }
+            const int64_t off = row_of(t);
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) {
+              kr[d] = static_cast<float>(k_data[off + d]);
+              vr[d] = static_cast<float>(v_data[off + d]);
+            }
+          }
+        }
+        // The next tile's rows, requested while this one computes: blocks are scattered, so
+        // the hardware prefetcher alone restarts at every block.
+        for (int64_t t = t0 + kKeys; t < std::min(t0 + 2 * kKeys, end); ++t) {
+          const int64_t ahead = row_of(t);
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(k_data + ahead) + byte);
+            __builtin_prefetch(reinterpret_cast<const char*>(v_data + ahead) + byte);
           }
         }
         const int32_t key0 = static_cast<int32_t>(t0);
@@ -169,9 +249,9 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
             for (int64_t d = 0; d < head_dim; ++d) {
               const float* qd = &qt[d * width + b];
               for (int64_t j = 0; j < kKeyBlock; ++j) {
-                const float kd = kt[(j0 + j) * dim_pad + d];
+                const float kd = kr0[(j0 + j) * kv_stride + d];
 #pragma omp simd
-                for (int64_t i = 0; i < kLanes; ++i) s[j][i] += kd * qd[i];
+                for (int64_t i = 0; i < kLanes; ++i) s[j][i] = std::fma(kd, qd[i], s[j][i]);
               }
             }
             for (int64_t j = 0; j < kKeyBlock; ++j) {
@@ -189,14 +269,15 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
             for (int64_t i = 0; i < kLanes; ++i) mx[i] = std::max(mx[i], p[j][i]);
 #pragma omp simd
           for (int64_t i = 0; i < kLanes; ++i) {
-            alpha[i] = std::exp(m[b + i] - mx[i]);
+            alpha[i] = std::exp(std::max(m[b + i] - mx[i], kExpFloor));
             m[b + i] = mx[i];
             sum[i] = 0.f;
           }
           for (int64_t j = 0; j < kKeys; ++j)
 #pragma omp simd
             for (int64_t i = 0; i < kLanes; ++i) {
-              p[j][i] = std::exp(p[j][i] - mx[i]);  // a masked key: exp(-1e30 - max) = 0
+              const float e = std::exp(std::max(p[j][i] - mx[i], kExpFloor));
+              p[j][i] = p[j][i] == kMasked ? 0.f : e;
               sum[i] += p[j][i];
             }
 #pragma omp simd
@@ -212,9 +293,9 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 #pragma GCC unroll 16
             for (int64_t j = 0; j < kKeys; ++j)
               for (int64_t dd = 0; dd < kDimBlock; ++dd) {
-                const float vd = vt[j * dim_pad + d0 + dd];
+                const float vd = vr0[j * kv_stride + d0 + dd];
 #pragma omp simd
-                for (int64_t i = 0; i < kLanes; ++i) a[dd][i] += vd * p[j][i];
+                for (int64_t i = 0; i < kLanes; ++i) a[dd][i] = std::fma(vd, p[j][i], a[dd][i]);
               }
             for (int64_t dd = 0; dd < kDimBlock; ++dd)
 #pragma omp simd
@@ -222,10 +303,13 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           }
         }
       }
+      transpose(acc, width, rows_in_out, dim_pad, dim_pad, width);
       for (int64_t i = 0; i < lanes; ++i) {
         scalar_t* dst = o_data + (first_row + i / group) * o_tok + (first_head + i % group) * o_head;
+        const float* src = rows_in_out + i * dim_pad;
         const float inv = 1.f / l[i];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d * width + i] * inv);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
       }
     }
   });

@@ -15,8 +15,9 @@
 // KV head. Its queries sit side by side in the vector lanes (transposed once per item), so
 // both products are the same micro-kernel, a lane vector times broadcast scalars: scores
 // [key][query] += k[key][d] * q[d][query], and acc[d][query] += v[key][d] * p[key][query].
-// Keys come in tiles of kKeys, each converted to fp32 once and used by every query of the
-// item, with an online softmax across tiles, lane by lane.
+// Keys come in tiles of kKeys, each converted to fp32 once (read in place when it already is)
+// and used by every query of the item, with an online softmax across tiles, lane by lane.
+// Both products are explicit multiply-adds, one rounding each, as in the decode kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -17,7 +17,7 @@
 // [key][query] += k[key][d] * q[d][query], and acc[d][query] += v[key][d] * p[key][query].
 // Keys come in tiles of kKeys, each converted to fp32 once (read in place when it already is)
 // and used by every query of the item, with an online softmax across tiles, lane by lane.
-// Both products are explicit multiply-adds, one rounding each, as in the decode kernel.
+// Both products are fused multiply-adds where the CPU has them, as in the decode kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -59,6 +59,15 @@ constexpr float kMasked = -1e30f;
 constexpr float kExpFloor = -87.f;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// a * b + c with one rounding where the CPU fuses them; elsewhere std::fma is a slow library call.
+inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 
 #ifdef __AVX512F__
 // Lane indices for _mm512_permutex2var_ps(a, idx, b) that swap bit `bit` of the row index with
@@ -252,7 +261,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
               for (int64_t j = 0; j < kKeyBlock; ++j) {
                 const float kd = kr0[(j0 + j) * kv_stride + d];
 #pragma omp simd
-                for (int64_t i = 0; i < kLanes; ++i) s[j][i] = std::fma(kd, qd[i], s[j][i]);
+                for (int64_t i = 0; i < kLanes; ++i) s[j][i] = madd(kd, qd[i], s[j][i]);
               }
             }
             for (int64_t j = 0; j < kKeyBlock; ++j) {
@@ -296,7 +305,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
               for (int64_t dd = 0; dd < kDimBlock; ++dd) {
                 const float vd = vr0[j * kv_stride + d0 + dd];
 #pragma omp simd
-                for (int64_t i = 0; i < kLanes; ++i) a[dd][i] = std::fma(vd, p[j][i], a[dd][i]);
+                for (int64_t i = 0; i < kLanes; ++i) a[dd][i] = madd(vd, p[j][i], a[dd][i]);
               }
             for (int64_t dd = 0; dd < kDimBlock; ++dd)
 #pragma omp simd

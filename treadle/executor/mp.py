@@ -147,20 +147,26 @@ class MultiprocExecutor:
         _, message = self._sock.recv_multipart()
         call_id, rank, ok, value = pickle.loads(message)
         if not ok and call_id not in self._control_calls:
-            # A rank whose peer died fails on the broken connection: report the death, the cause.
-            self._reap_the_dying()
-            self._check_processes()
+            # A rank whose peer was killed fails on the broken connection: report the death,
+            # the cause. (A peer that exits with a code of its own has reported why first.)
+            for peer, proc in self._reap_peers_of(rank):
+                if proc.exitcode is not None and proc.exitcode < 0:
+                    self._fail(f"worker rank {peer} died (exit code {proc.exitcode})")
             what = "failed to start" if starting else "failed a step"
             self._fail(f"worker rank {rank} {what}: {value.kind}: {value.message}", value)
         self._replies[(call_id, rank)] = (ok, value)
 
-    def _reap_the_dying(self) -> None:
-        """Wait up to DEATH_GRACE_S for a death, and reap the dead: a killed process's sentinel
-        shows a moment before its exit code can be read."""
-        dead = multiprocessing.connection.wait([p.sentinel for p in self.procs], DEATH_GRACE_S)
-        for proc in self.procs:
-            if proc.sentinel in dead:
-                proc.join(DEATH_GRACE_S)
+    def _reap_peers_of(self, rank: int) -> list[tuple[int, multiprocessing.Process]]:
+        """The other ranks' processes, after waiting up to DEATH_GRACE_S for one of them to
+        die and reaping the dead: a killed process's sentinel shows a moment before its exit
+        code can be read."""
+        peers = [(r, proc) for r, proc in enumerate(self.procs) if r != rank]
+        if peers:
+            dead = multiprocessing.connection.wait([proc.sentinel for _, proc in peers], DEATH_GRACE_S)
+            for _, proc in peers:
+                if proc.sentinel in dead:
+                    proc.join(DEATH_GRACE_S)
+        return peers
 
     def _check_processes(self) -> None:
         for rank, proc in enumerate(self.procs):

@@ -17,20 +17,20 @@
 // [key][query] += k[key][d] * q[d][query], and acc[d][query] += v[key][d] * p[key][query].
 // Keys come in tiles of kKeys, each converted to fp32 once (read in place when it already is)
 // and used by every query of the item, with an online softmax across tiles, lane by lane.
-// Both products are fused multiply-adds where the CPU has them, as in the decode kernel.
+// Both products are fused multiply-adds where the CPU has them, as in the decode kernel. With
+// AVX512-BF16, bf16 scores come from q and k as stored, two products per instruction.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -69,35 +69,8 @@ inline float madd(float a, float b, float c) {
 #endif
 }
 
-#ifdef __AVX512F__
-// Lane indices for _mm512_permutex2var_ps(a, idx, b) that swap bit `bit` of the row index with
-// the same bit of the column index, for rows i (bit clear, kLow) and i + bit (kHigh): 0-15 pick
-// from row i, 16-31 from row i + bit.
-constexpr std::array<int32_t, 16> swap_indices(int bit, bool high) {
-  std::array<int32_t, 16> idx{};
-  for (int c = 0; c < 16; ++c) {
-    if (high) idx[c] = (c & bit) ? 16 + c : c + bit;
-    else idx[c] = (c & bit) ? 16 + c - bit : c;
-  }
-  return idx;
-}
-
-template <int Bit>
-inline void swap_round(__m512 (&r)[16]) {
-  static constexpr std::array<int32_t, 16> kLow = swap_indices(Bit, false), kHigh = swap_indices(Bit, true);
-  const __m512i low = _mm512_loadu_si512(kLow.data()), high = _mm512_loadu_si512(kHigh.data());
-  for (int i = 0; i < 16; ++i) {
-    if (i & Bit) continue;
-    const __m512 a = r[i], b = r[i + Bit];
-    r[i] = _mm512_permutex2var_ps(a, low, b);
-    r[i + Bit] = _mm512_permutex2var_ps(a, high, b);
-  }
-}
-#endif
-
-// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols. With AVX-512, whole 16 x 16
-// blocks go through registers: four rounds each swap one bit of the row index with the same
-// bit of the column index. The values are moved, never changed.
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols; with AVX-512, whole 16 x 16
+// blocks go through registers. The values (or 32-bit words) are moved, never changed.
 void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
   for (int64_t r0 = 0; r0 < rows; r0 += 16)
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
@@ -105,13 +78,7 @@ void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int
       float* d = dst + c0 * ld_dst + r0;
 #ifdef __AVX512F__
       if (r0 + 16 <= rows && c0 + 16 <= cols) {
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(s + i * ld_src);
-        swap_round<1>(r);
-        swap_round<2>(r);
-        swap_round<4>(r);
-        swap_round<8>(r);
-        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(d + i * ld_dst, r[i]);
+        treadle::vec::transpose16(s, ld_src, d, ld_dst);
         continue;
       }
 #endif
@@ -119,6 +86,26 @@ void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int
         for (int64_t j = 0; j < std::min<int64_t>(16, cols - c0); ++j) d[j * ld_dst + i] = s[i * ld_src + j];
     }
 }
+
+#ifdef __AVX512BF16__
+// bf16 scores from pairs, for one lane vector and kKeyBlock keys: q as [d / 2][lane] pairs
+// (`width` words apart), k as [key][d / 2] pairs (`key_stride` words apart). VDPBF16PS multiplies two pairs exactly and adds both products in fp32, so
+// one instruction covers two d where the fp32 path needs two multiply-adds.
+constexpr bool kPairedBf16 = true;
+inline void score_pairs(const uint32_t* qp, int64_t width, const uint32_t* kp, int64_t key_stride,
+                        int64_t half_dim, float scale, float (*s)[kLanes]) {
+  __m512 acc[kKeyBlock];
+  for (int64_t j = 0; j < kKeyBlock; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < half_dim; ++d2) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qp + d2 * width);
+    for (int64_t j = 0; j < kKeyBlock; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], q, (__m512bh)_mm512_set1_epi32(static_cast<int>(kp[j * key_stride + d2])));
+  }
+  for (int64_t j = 0; j < kKeyBlock; ++j) _mm512_storeu_ps(s[j], _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
+}
+#else
+constexpr bool kPairedBf16 = false;
+#endif
 
 struct Item {
   int64_t span, kv_head, row0, row1;  // rows row0..row1 of the span
@@ -162,6 +149,11 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
   // fp32 tiles that lie in one block need no copy (V's rows then need no padding either).
   const bool in_place = std::is_same_v<scalar_t, float> && block_size % kKeys == 0 && head_dim == dim_pad;
+  // bf16 scores straight from bf16 pairs, where the CPU has AVX512-BF16 (q and k stay as
+  // stored; the scale comes after). qt and kt then hold pairs.
+  constexpr bool paired_type = kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool paired = paired_type && head_dim % 2 == 0;
+  const int64_t half_dim = head_dim / 2;
   const int64_t threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -195,14 +187,21 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         m[i] = kMasked;
         l[i] = 0.f;
       }
+      // Each lane's query as a row, then transposed into lanes: fp32 and scaled, or (paired)
+      // the stored bf16 pairs, moved as 32-bit words.
+      const int64_t q_words = paired ? half_dim : head_dim;
       for (int64_t i = 0; i < lanes; ++i) {
         const scalar_t* src = q_data + (first_row + i / group) * q_tok + (first_head + i % group) * q_head;
-        float* dst = rows_in_out + i * head_dim;
+        float* dst = rows_in_out + i * q_words;
+        if (paired) {
+          std::memcpy(dst, src, head_dim * sizeof(scalar_t));
+          continue;
+        }
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
       }
-      std::fill(rows_in_out + lanes * head_dim, rows_in_out + width * head_dim, 0.f);
-      transpose(rows_in_out, head_dim, qt, width, width, head_dim);
+      std::fill(rows_in_out + lanes * q_words, rows_in_out + width * q_words, 0.f);
+      transpose(rows_in_out, q_words, qt, width, width, q_words);
       std::fill(acc, acc + dim_pad * width, 0.f);
 
       const int64_t end = ctx + it.row1;  // the item's last row sees keys 0..end-1
@@ -234,11 +233,14 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
               continue;
             }
             const int64_t off = row_of(t);
+            if (paired) {
+              std::memcpy(kr, k_data + off, head_dim * sizeof(scalar_t));
+            } else {
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) {
-              kr[d] = static_cast<float>(k_data[off + d]);
-              vr[d] = static_cast<float>(v_data[off + d]);
+              for (int64_t d = 0; d < head_dim; ++d) kr[d] = static_cast<float>(k_data[off + d]);
             }
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) vr[d] = static_cast<float>(v_data[off + d]);
           }
         }
         // The next tile's rows, requested while this one computes: blocks are scattered, so
@@ -255,7 +257,13 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           // Scores of kKeyBlock keys at a time in registers: per d, one q vector load serves
           // kKeyBlock broadcast multiply-adds.
           for (int64_t j0 = 0; j0 < kKeys; j0 += kKeyBlock) {
-            float s[kKeyBlock][kLanes] = {};
+            alignas(64) float s[kKeyBlock][kLanes] = {};
+#ifdef __AVX512BF16__
+            if (paired)
+              score_pairs(reinterpret_cast<const uint32_t*>(qt) + b, width,
+                          reinterpret_cast<const uint32_t*>(kr0) + j0 * kv_stride, kv_stride, half_dim, fscale, s);
+            else
+#endif
             for (int64_t d = 0; d < head_dim; ++d) {
               const float* qd = &qt[d * width + b];
               for (int64_t j = 0; j < kKeyBlock; ++j) {

@@ -1,4 +1,5 @@
-// AVX-512 helpers the kernels share (compiled only where the CPU has AVX-512).
+// AVX-512 helpers for the kernels: loads as fp32 and a 16 x 16 transpose (compiled only where
+// the CPU has AVX-512).
 #pragma once
 
 #ifdef __AVX512F__

@@ -186,15 +186,17 @@ def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], po
 
 def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokenizer_dir: str,
             out_dir: Path, treadle_args: list[str], requests_per_level: int,
-            levels: tuple[int, ...] = SERVING_LEVELS) -> dict[int, dict[str, Any]]:
+            levels: tuple[int, ...] = SERVING_LEVELS, tag: str = "") -> dict[int, dict[str, Any]]:
+    """One server's sweep over `levels`; its log and results are named after the engine, the
+    dtype and `tag` (the round, when there are several)."""
     port = _free_port()
     server = start_server(engine, dtype, hf_dir, ggufs, port, max(levels),
-                          out_dir / f"serve-{engine}-{dtype}.log", treadle_args)
+                          out_dir / f"serve-{engine}{tag}-{dtype}.log", treadle_args)
     results = {}
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
         for level in levels:
-            path = out_dir / f"serve-{engine}-{dtype}-c{level}.json"
+            path = out_dir / f"serve-{engine}{tag}-{dtype}-c{level}.json"
             n = max(8, requests_per_level * level)
             lo, hi = SERVING["input_len"]
             olo, ohi = SERVING["output_len"]
@@ -234,6 +236,10 @@ def main() -> int:
     parser.add_argument("--requests-per-level", type=int, default=SERVING["requests_per_level"],
                         help="requests per unit of concurrency at each level (at least 8) "
                              f"[default: {SERVING['requests_per_level']}]")
+    parser.add_argument("--serving-rounds", type=int, default=1,
+                        help="run the serving sweep this many times per dtype, each round "
+                             "starting with the next engine, so that no engine always runs "
+                             "first; rows are named 'engine #round' [default: 1]")
     parser.add_argument("--treadle-serve-args", default="", metavar="ARGS",
                         help="more flags for `treadle serve`; write it with '=', e.g. "
                              "--treadle-serve-args=--async-scheduling")
@@ -243,6 +249,8 @@ def main() -> int:
     parser.add_argument("--offline-from", default=None, metavar="PEERS_JSON",
                         help="take the offline results of an earlier run (with --no-offline)")
     ns = parser.parse_args()
+    if ns.serving_rounds < 1:
+        parser.error(f"--serving-rounds must be at least 1, got {ns.serving_rounds}")
     engines, dtypes = ns.engines.split(","), ns.dtypes.split(",")
     treadle_offline_args = json.loads(ns.treadle_offline_args)   # a typo fails before any run
     levels = tuple(int(level) for level in ns.serving_levels.split(","))
@@ -280,12 +288,16 @@ def main() -> int:
 
     if not ns.no_serving:
         for dtype in ns.serving_dtypes.split(","):
-            for engine in engines:
-                report["serving"].setdefault(dtype, {})[engine] = serving(
-                    engine, dtype, hf_dir, ggufs, hf_dir, out_dir,
-                    shlex.split(ns.treadle_serve_args), ns.requests_per_level, levels)
-                print(f"serving {dtype} {engine} done", flush=True)
-                save(report, out_dir)
+            for round_no in range(1, ns.serving_rounds + 1):
+                first = (round_no - 1) % len(engines)
+                for engine in engines[first:] + engines[:first]:
+                    name = engine if ns.serving_rounds == 1 else f"{engine} #{round_no}"
+                    tag = "" if ns.serving_rounds == 1 else f"-r{round_no}"
+                    report["serving"].setdefault(dtype, {})[name] = serving(
+                        engine, dtype, hf_dir, ggufs, hf_dir, out_dir,
+                        shlex.split(ns.treadle_serve_args), ns.requests_per_level, levels, tag)
+                    print(f"serving {dtype} {name} done", flush=True)
+                    save(report, out_dir)
 
     save(report, out_dir)
     plot(report, out_dir / "peers.png")

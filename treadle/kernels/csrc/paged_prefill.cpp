@@ -89,8 +89,9 @@ void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int
 
 #ifdef __AVX512BF16__
 // bf16 scores from pairs, for one lane vector and kKeyBlock keys: q as [d / 2][lane] pairs
-// (`width` words apart), k as [key][d / 2] pairs (`key_stride` words apart). VDPBF16PS multiplies two pairs exactly and adds both products in fp32, so
-// one instruction covers two d where the fp32 path needs two multiply-adds.
+// (`width` words apart), k as [key][d / 2] pairs (`key_stride` words apart). VDPBF16PS
+// multiplies two pairs exactly and adds both products in fp32, so one instruction covers two
+// d where the fp32 path needs two multiply-adds.
 constexpr bool kPairedBf16 = true;
 inline void score_pairs(const uint32_t* qp, int64_t width, const uint32_t* kp, int64_t key_stride,
                         int64_t half_dim, float scale, float (*s)[kLanes]) {
@@ -151,8 +152,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const bool in_place = std::is_same_v<scalar_t, float> && block_size % kKeys == 0 && head_dim == dim_pad;
   // bf16 scores straight from bf16 pairs, where the CPU has AVX512-BF16 (q and k stay as
   // stored; the scale comes after). qt and kt then hold pairs.
-  constexpr bool paired_type = kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool paired = paired_type && head_dim % 2 == 0;
+  const bool paired = kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 2 == 0;
   const int64_t half_dim = head_dim / 2;
   const int64_t threads = at::get_num_threads();
   std::atomic<int64_t> next{0};

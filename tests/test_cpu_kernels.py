@@ -205,6 +205,37 @@ def test_native_decode_matches_dense_attention(dtype, tol, heads, kv_heads, num_
 
 
 @needs_native
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152 + 5])
+def test_native_argmax_answers_as_torch_does(vocab):
+    """Ties go to the first index, -inf masks and an all -inf row work, a NaN wins at its
+    first place (as in torch), the vocab's tail past 16 lanes counts, rows may be strided."""
+    torch.manual_seed(vocab)
+    wide = torch.randn(9, vocab + 7)
+    logits = wide[:, :vocab]                       # rows 7 floats apart beyond the vocab
+    logits[1] = float("-inf")
+    logits[2, vocab // 2:] = float("-inf")
+    logits[3] = logits[3].round()                  # many ties at the top
+    logits[4, -1] = 1e9                            # the maximum in the tail
+    logits[5, vocab // 3] = float("nan")
+    logits[5, -1] = float("nan")
+    logits[6, ::2] = 5.0                           # a tie between the first and later lanes
+    logits[7, -1] = float("nan")
+    logits[8] = 0.0
+    logits[8, -1] = -0.0
+    assert torch.equal(torch.ops.treadle.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+@needs_native
+def test_native_argmax_refuses_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.treadle.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.treadle.argmax_rows(torch.zeros(8, 2).t())
+    with pytest.raises(RuntimeError, match="empty row"):
+        torch.ops.treadle.argmax_rows(torch.zeros(2, 0))
+
+
+@needs_native
 def test_native_decode_refuses_bad_inputs():
     k_cache = torch.zeros(4, 16, 2, 8)
     q, out = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)

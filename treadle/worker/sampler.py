@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from treadle.core.scheduler_output import TokenLogprobs
+from treadle.kernels.cpu import cpu_kernels_available
 from treadle.sampling_params import SamplingParams
 from treadle.worker.grammar import apply_token_bitmask
 
@@ -39,6 +40,13 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._gen = torch.Generator(device=device)
+        self._native_argmax = cpu_kernels_available(device)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(dim=-1), from the C++ kernel on CPU (torch's compares one value at a time)."""
+        if self._native_argmax and logits.stride(-1) == 1:
+            return torch.ops.treadle.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
@@ -60,11 +68,11 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < 1e-5]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]
         if not random:   # all greedy: no row copy of the [rows, vocab] logits
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy:
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
+                tokens[greedy] = self._argmax(logits[greedy])
             tokens[random] = self._sample(logits[random], [rows[i] for i in random])
         token_list = tokens.tolist()
 

@@ -7,9 +7,10 @@
 // int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]. Accumulates in fp32.
 //
 // Three passes per work item: scores (q . k for every token), softmax, then the sum of p * v.
-// With AVX-512 and head_dim 64 or 128, the first pass scores 16 tokens at a time and sums
-// their products in one tree of shuffles, and the third keeps each head's accumulator in
-// registers while the tokens go by. At head_dim 64 the per-token reductions, not the bytes,
+// With AVX-512 and head_dim 64 or 128, the first pass scores 16 tokens at a time (a KV
+// head's queries in registers; bf16 from pairs where the CPU has AVX512-BF16) and sums their
+// products in one tree of shuffles, and the third keeps each head's accumulator in registers
+// while the tokens go by. At head_dim 64 the per-token reductions, not the bytes,
 // bounded the plain loops (docs/benchmarks.md); they stay for other CPUs and head sizes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,9 +30,9 @@
 
 namespace {
 
-// Tokens ahead to prefetch K/V rows (about 3 KB of fp32 rows for SmolLM2); 2-16 measured,
-// 4 fastest by a little at 48 decodes.
-constexpr int64_t kPrefetch = 4;
+// Tokens ahead to prefetch K/V rows: one tile of the score pass (16 tokens, 12 KB of fp32
+// rows for SmolLM2). 4-32 measured at 64 decodes: fp32 level, bf16 about 10% faster from 16.
+constexpr int64_t kPrefetch = 16;
 
 // One call's tensors, and the rows of one sequence's cache.
 template <typename scalar_t>
@@ -45,11 +46,12 @@ struct Call {
 };
 
 // A work item: a sequence and a run of its KV heads, with its heads' scaled queries in qf
-// and room for their scores.
+// and room for their scores. offs[t] is token t's row in the caches, from the block table
+// once per item: a division per row read measured as costly as the rest of the work.
 template <typename scalar_t>
 struct Item {
   const Call<scalar_t>& c;
-  const int32_t* table;
+  const int64_t* offs;
   int64_t seq, kv0, kv_heads, len;
 
   // Token t's row in `cache` at KV head kv0 + g, with the row kPrefetch tokens on requested
@@ -63,9 +65,10 @@ struct Item {
     return at(cache, t, g);
   }
   const scalar_t* at(const scalar_t* cache, int64_t t, int64_t g) const {
-    return cache + table[t / c.block_size] * c.c_block + (t % c.block_size) * c.c_tok + (kv0 + g) * c.c_head;
+    return cache + offs[t] + (kv0 + g) * c.c_head;
   }
   scalar_t* out(int64_t h) const { return c.out + seq * c.o_seq + (kv0 * c.group + h) * c.o_head; }
+  const scalar_t* query(int64_t h) const { return c.q + seq * c.q_seq + (kv0 * c.group + h) * c.q_head; }
 };
 
 // scores[h * len + t] = exp(s - max) in place; returns 1 / sum for each of `heads` heads.
@@ -140,9 +143,11 @@ inline __m512 sum_lanes16(const float* v) {
 }
 
 // acc += p * v for HT heads of KV head g (first query head h0), over every token, with the
-// accumulators in registers; then out = acc / sum.
+// accumulators in registers; then out = acc / sum. Not inlined: inlined into the caller's
+// loop, GCC 12 stored every accumulator to the stack on every token.
 template <typename scalar_t, int D, int HT>
-void accumulate_v(const Item<scalar_t>& it, int64_t g, int64_t h0, const float* scores, const float* inv_sum) {
+__attribute__((noinline)) void accumulate_v(const Item<scalar_t>& it, int64_t g, int64_t h0, const float* scores,
+                                            const float* inv_sum) {
   const int64_t len = it.len, bytes = D * 16 * static_cast<int64_t>(sizeof(scalar_t));
   __m512 acc[HT][D];
   for (int i = 0; i < HT; ++i)
@@ -187,34 +192,94 @@ void accumulate_v_tiles(const Item<scalar_t>& it, int64_t g, const float* scores
     accumulate_v_tile<scalar_t, D, kHeadTile<D>>(it, g, g * group + h, group - h, scores, inv_sum);
 }
 
+// The unreduced products q . k of HT query heads (the first h0, all on the KV head at k_off in
+// a row) with the n tokens whose K rows are in `rows`: 16 lanes at part + (h * 16 + j) * 16,
+// zeros for j from n to 16. The tile's queries stay in registers, so a K row is loaded once per
+// tile, not once per head.
+template <typename scalar_t, int D, int HT>
+void products(const scalar_t* const* rows, int64_t n, int64_t k_off, int64_t h0, const float* qf, float* part) {
+  __m512 q[HT][D];
+  for (int i = 0; i < HT; ++i)
+    for (int d = 0; d < D; ++d) q[i][d] = _mm512_loadu_ps(qf + (h0 + i) * 16 * D + 16 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 k[D];
+    for (int d = 0; d < D; ++d) k[d] = load16(rows[j] + k_off + 16 * d);
+    for (int i = 0; i < HT; ++i) {
+      __m512 s = _mm512_mul_ps(q[i][0], k[0]);
+      for (int d = 1; d < D; ++d) s = _mm512_fmadd_ps(q[i][d], k[d], s);
+      _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, s);
+    }
+  }
+  for (int64_t j = n; j < 16; ++j)  // past the end: zeros, not whatever the cache holds there
+    for (int i = 0; i < HT; ++i) _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, _mm512_setzero_ps());
+}
+
+#ifdef __AVX512BF16__
+// bf16 products from pairs, with q and k as stored (the scale comes after the sum): VDPBF16PS
+// multiplies two pairs exactly and adds both products in fp32, so a 64-wide head takes two
+// instructions where the fp32 path converts four vectors and does four multiply-adds. As in
+// the prefill kernel.
+constexpr bool kPairedBf16 = true;
+template <int D, int HT>
+void products_pairs(const c10::BFloat16* const* rows, int64_t n, int64_t k_off, int64_t h0,
+                    const c10::BFloat16* q0, int64_t q_head, float* part) {
+  constexpr int P = D / 2;  // vectors of 16 pairs in a head's row
+  __m512bh q[HT][P];
+  for (int i = 0; i < HT; ++i)
+    for (int p = 0; p < P; ++p) q[i][p] = (__m512bh)_mm512_loadu_si512(q0 + (h0 + i) * q_head + 32 * p);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512bh k[P];
+    for (int p = 0; p < P; ++p) k[p] = (__m512bh)_mm512_loadu_si512(rows[j] + k_off + 32 * p);
+    for (int i = 0; i < HT; ++i) {
+      __m512 s = _mm512_setzero_ps();
+      for (int p = 0; p < P; ++p) s = _mm512_dpbf16_ps(s, q[i][p], k[p]);
+      _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, s);
+    }
+  }
+  for (int64_t j = n; j < 16; ++j)
+    for (int i = 0; i < HT; ++i) _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, _mm512_setzero_ps());
+}
+#else
+constexpr bool kPairedBf16 = false;
+#endif
+
+template <typename scalar_t>
+constexpr bool kPairs = kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
+
+// products (or products_pairs) on the widest tile of at most HT heads that `left` heads fill.
+template <typename scalar_t, int D, int HT>
+void products_tile(const Item<scalar_t>& it, const scalar_t* const* rows, int64_t n, int64_t g, int64_t h0,
+                   int64_t left, const float* qf, float* part) {
+  if constexpr (HT > 1) {
+    if (left < HT) return products_tile<scalar_t, D, HT - 1>(it, rows, n, g, h0, left, qf, part);
+  }
+#ifdef __AVX512BF16__
+  if constexpr (kPairs<scalar_t>) {
+    return products_pairs<D, HT>(rows, n, g * it.c.c_head, h0, it.query(0), it.c.q_head, part);
+  }
+#endif
+  products<scalar_t, D, HT>(rows, n, g * it.c.c_head, h0, qf, part);
+}
+
 // head_dim = 16 * D. `part` holds 16 fp32 vectors per head: one tile's unreduced products.
 template <typename scalar_t, int D>
 void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, float* part, float* inv_sum) {
   const Call<scalar_t>& c = it.c;
   const int64_t heads = it.kv_heads * c.group, len = it.len;
   const int64_t bytes = it.kv_heads * c.c_head * static_cast<int64_t>(sizeof(scalar_t));
+  const __m512 scale = _mm512_set1_ps(kPairs<scalar_t> ? c.scale : 1.f);  // qf is scaled already
+  const scalar_t* rows[16];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - t0);
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j >= n) {  // past the end: zeros, not whatever the cache holds there
-        for (int64_t h = 0; h < heads; ++h) _mm512_storeu_ps(part + (h * 16 + j) * 16, _mm512_setzero_ps());
-        continue;
-      }
-      const scalar_t* row = it.row(c.k, t0 + j, 0, bytes);
-      for (int64_t g = 0; g < it.kv_heads; ++g) {
-        __m512 k[D];
-        for (int d = 0; d < D; ++d) k[d] = load16(row + g * c.c_head + 16 * d);
-        for (int64_t h = g * c.group; h < (g + 1) * c.group; ++h) {
-          const float* qh = qf + h * 16 * D;
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
-          for (int d = 1; d < D; ++d) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * d), k[d], s);
-          _mm512_storeu_ps(part + (h * 16 + j) * 16, s);
-        }
-      }
-    }
+    for (int64_t j = 0; j < n; ++j) rows[j] = it.row(c.k, t0 + j, 0, bytes);
+    for (int64_t g = 0; g < it.kv_heads; ++g)
+      for (int64_t h = 0; h < c.group; h += kHeadTile<D>)
+        products_tile<scalar_t, D, kHeadTile<D>>(it, rows, n, g, g * c.group + h, c.group - h, qf, part);
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t h = 0; h < heads; ++h)
-      _mm512_mask_storeu_ps(scores + h * len + t0, mask, sum_lanes16(part + h * 256));
+    for (int64_t h = 0; h < heads; ++h) {
+      const __m512 sum = sum_lanes16(part + h * 256);
+      _mm512_mask_storeu_ps(scores + h * len + t0, mask, kPairs<scalar_t> ? _mm512_mul_ps(sum, scale) : sum);
+    }
   }
   softmax(scores, heads, len, inv_sum);
   for (int64_t g = 0; g < it.kv_heads; ++g) accumulate_v_tiles<scalar_t, D>(it, g, scores, inv_sum);
@@ -250,13 +315,18 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores, inv_sum(heads);
     std::vector<float> part(vec_dims ? heads * 256 : 0);
+    std::vector<int64_t> offs;
     for (int64_t idx = next++; idx < num_items; idx = next++) {
-      const int64_t seq = idx / items_per_seq;
-      const Item<scalar_t> it{c, c.tables + seq * c.max_blocks, seq, (idx % items_per_seq) * heads_per_item,
-                              heads_per_item, c.lens[seq]};
+      const int64_t seq = idx / items_per_seq, len = c.lens[seq];
+      offs.resize(len);
+      for (int64_t t0 = 0, b = 0; t0 < len; t0 += c.block_size, ++b) {
+        const int64_t base = c.tables[seq * c.max_blocks + b] * c.c_block;
+        for (int64_t i = 0; i < std::min(c.block_size, len - t0); ++i) offs[t0 + i] = base + i * c.c_tok;
+      }
+      const Item<scalar_t> it{c, offs.data(), seq, (idx % items_per_seq) * heads_per_item, heads_per_item, len};
       scores.resize(heads * it.len);
       for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* src = c.q + seq * c.q_seq + (it.kv0 * c.group + h) * c.q_head;
+        const scalar_t* src = it.query(h);
         for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]) * c.scale;
       }
 #ifdef __AVX512F__

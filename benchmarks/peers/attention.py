@@ -1,7 +1,7 @@
 """Attention alone: treadle's paged kernels against vLLM-CPU's at SmolLM2's shape (9 query
-heads on 3 KV heads of 64), ms per layer, median of 30 calls after 5 warm-up calls. By default
-one prompt of N tokens (prefill); with --decode B, B sequences of N tokens of context, one new
-query each (a decode step).
+heads on 3 KV heads of 64), ms per layer: the median of 30 rounds after 5 warm-up rounds. By
+default one prompt of N tokens (prefill); with --decode B, B sequences of N tokens of context,
+one new query each (a decode step).
 
     .venv/bin/python benchmarks/peers/attention.py [--lengths 128,288,512,1024] [--dtypes fp32,bf16]
     .venv/bin/python benchmarks/peers/attention.py --decode 64 --lengths 128,360,1024
@@ -9,7 +9,7 @@ query each (a decode step).
 Each kernel runs in its own engine's interpreter, one after the other: treadle's in this one,
 vLLM's in its virtual environment (setup.sh) with the environment run.py gives it. Both read
 random K/V from scattered blocks of each engine's default size (16 and 128 tokens), and both
-get the whole prompt as one causal span. Time nothing else while it runs.
+get a prompt as one causal span. Time nothing else while it runs.
 """
 
 from __future__ import annotations
@@ -94,17 +94,21 @@ def vllm_call(n: int, dtype: torch.dtype, batch: int) -> Callable[[], None]:
         sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
 
 
+def kv_bytes(dtype: str, tokens: int, batch: int) -> int:
+    """The K and V bytes of `batch` spans of `tokens` (one span for a prompt, batch 0)."""
+    return 2 * max(batch, 1) * tokens * KV_HEADS * HEAD_DIM * DTYPES[dtype].itemsize
+
+
 def measure(engine: str, lengths: list[int], dtypes: list[str], batch: int) -> list[dict]:
     """A decode step's K/V come from memory, as in an engine stepping 30 layers: the calls
-    rotate over copies of the cache that together exceed the last-level cache (1 GiB; 480 MB on one machine here). A
-    prompt's were just written, and are timed warm."""
+    rotate over copies of the cache that together exceed the last-level cache (1 GiB; one
+    machine here has 480 MB of L3). A prompt's were just written, and are timed warm."""
     torch.set_num_threads(2)
     make = treadle_call if engine == "treadle" else vllm_call
     rows = []
     for d in dtypes:
         for n in lengths:
-            kv_bytes = 2 * max(batch, 1) * n * KV_HEADS * HEAD_DIM * DTYPES[d].itemsize
-            copies = -(-(1 << 30) // kv_bytes) if batch else 1
+            copies = -(-(1 << 30) // kv_bytes(d, n, batch)) if batch else 1
             calls = [make(n, DTYPES[d], batch) for _ in range(copies)]
             rows.append({"engine": engine, "dtype": d, "tokens": n, "ms": 1e3 * median_call_s(calls)})
     return rows
@@ -114,8 +118,7 @@ def rate(dtype: str, tokens: int, ms: float, batch: int) -> str:
     """Prefill: causal attention's useful work (QK and PV over the lower triangle) in GFLOP/s.
     Decode: the K/V bytes read in GB/s, since decode attention is bound by memory."""
     if batch:
-        kv_bytes = 2 * batch * tokens * KV_HEADS * HEAD_DIM * DTYPES[dtype].itemsize
-        return f"{kv_bytes / (ms * 1e6):.1f} GB/s"
+        return f"{kv_bytes(dtype, tokens, batch) / (ms * 1e6):.1f} GB/s"
     return f"{HEADS * tokens * tokens / 2 * HEAD_DIM * 4 / (ms * 1e6):.0f} GFLOP/s"
 
 

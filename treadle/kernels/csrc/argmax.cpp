@@ -36,22 +36,31 @@ int64_t first_nan(const float* x, int64_t n) {
   return -1;
 }
 
+// One pass for the maximum, noting any NaN on the way (then the first NaN answers), and one
+// for the maximum's first index.
 int64_t row_argmax(const float* x, int64_t n) {
-  const int64_t nan = first_nan(x, n);
-  if (nan >= 0) return nan;
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
   __m512 best = _mm512_set1_ps(x[0]);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + i));
-  float top = _mm512_reduce_max_ps(best);
-  for (int64_t j = i; j < n; ++j) top = x[j] > top ? x[j] : top;
-  const __m512 t = _mm512_set1_ps(top);
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), t, _CMP_EQ_OQ);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+  }
+  if (tail) {  // lanes past the row keep `best`
+    const __m512 v = _mm512_mask_loadu_ps(best, tail, x + full);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+  }
+  if (nan) return first_nan(x, n);
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t i = 0; i < full; i += 16) {
+    const __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), top, _CMP_EQ_OQ);
     if (m) return i + __builtin_ctz(m);
   }
-  for (; i < n; ++i)
-    if (x[i] == top) return i;
-  return 0;  // not reached: top is one of the values
+  // top is one of the values: not in the full vectors, so in the tail
+  return full + __builtin_ctz(_mm512_mask_cmp_ps_mask(tail, _mm512_maskz_loadu_ps(tail, x + full), top, _CMP_EQ_OQ));
 }
 #endif
 

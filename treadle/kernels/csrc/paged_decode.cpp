@@ -193,9 +193,8 @@ void accumulate_v_tiles(const Item<scalar_t>& it, int64_t g, const float* scores
 }
 
 // The unreduced products q . k of HT query heads (the first h0, all on the KV head at k_off in
-// a row) with the n tokens whose K rows are in `rows`: 16 lanes at part + (h * 16 + j) * 16,
-// zeros for j from n to 16. The tile's queries stay in registers, so a K row is loaded once per
-// tile, not once per head.
+// a row) with the n tokens whose K rows are in `rows`: 16 lanes at part + (h * 16 + j) * 16.
+// The tile's queries stay in registers, so a K row is loaded once per tile, not once per head.
 template <typename scalar_t, int D, int HT>
 void products(const scalar_t* const* rows, int64_t n, int64_t k_off, int64_t h0, const float* qf, float* part) {
   __m512 q[HT][D];
@@ -210,8 +209,6 @@ void products(const scalar_t* const* rows, int64_t n, int64_t k_off, int64_t h0,
       _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, s);
     }
   }
-  for (int64_t j = n; j < 16; ++j)  // past the end: zeros, not whatever the cache holds there
-    for (int i = 0; i < HT; ++i) _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, _mm512_setzero_ps());
 }
 
 #ifdef __AVX512BF16__
@@ -219,7 +216,6 @@ void products(const scalar_t* const* rows, int64_t n, int64_t k_off, int64_t h0,
 // multiplies two pairs exactly and adds both products in fp32, so a 64-wide head takes two
 // instructions where the fp32 path converts four vectors and does four multiply-adds. As in
 // the prefill kernel.
-constexpr bool kPairedBf16 = true;
 template <int D, int HT>
 void products_pairs(const c10::BFloat16* const* rows, int64_t n, int64_t k_off, int64_t h0,
                     const c10::BFloat16* q0, int64_t q_head, float* part) {
@@ -236,15 +232,11 @@ void products_pairs(const c10::BFloat16* const* rows, int64_t n, int64_t k_off, 
       _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, s);
     }
   }
-  for (int64_t j = n; j < 16; ++j)
-    for (int i = 0; i < HT; ++i) _mm512_storeu_ps(part + ((h0 + i) * 16 + j) * 16, _mm512_setzero_ps());
 }
-#else
-constexpr bool kPairedBf16 = false;
 #endif
 
 template <typename scalar_t>
-constexpr bool kPairs = kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
+constexpr bool kPairs = treadle::vec::kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
 
 // products (or products_pairs) on the widest tile of at most HT heads that `left` heads fill.
 template <typename scalar_t, int D, int HT>
@@ -261,7 +253,9 @@ void products_tile(const Item<scalar_t>& it, const scalar_t* const* rows, int64_
   products<scalar_t, D, HT>(rows, n, g * it.c.c_head, h0, qf, part);
 }
 
-// head_dim = 16 * D. `part` holds 16 fp32 vectors per head: one tile's unreduced products.
+// head_dim = 16 * D. `part` holds 16 fp32 vectors per head: one tile's unreduced products. In
+// a last tile of n < 16 tokens, rows n to 15 keep an earlier tile's products: lane j of the
+// sum comes from row j alone, and lanes from n on are never stored.
 template <typename scalar_t, int D>
 void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, float* part, float* inv_sum) {
   const Call<scalar_t>& c = it.c;

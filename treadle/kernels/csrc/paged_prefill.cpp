@@ -92,7 +92,6 @@ void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int
 // (`width` words apart), k as [key][d / 2] pairs (`key_stride` words apart). VDPBF16PS
 // multiplies two pairs exactly and adds both products in fp32, so one instruction covers two
 // d where the fp32 path needs two multiply-adds.
-constexpr bool kPairedBf16 = true;
 inline void score_pairs(const uint32_t* qp, int64_t width, const uint32_t* kp, int64_t key_stride,
                         int64_t half_dim, float scale, float (*s)[kLanes]) {
   __m512 acc[kKeyBlock];
@@ -104,8 +103,6 @@ inline void score_pairs(const uint32_t* qp, int64_t width, const uint32_t* kp, i
   }
   for (int64_t j = 0; j < kKeyBlock; ++j) _mm512_storeu_ps(s[j], _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
 }
-#else
-constexpr bool kPairedBf16 = false;
 #endif
 
 struct Item {
@@ -152,7 +149,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const bool in_place = std::is_same_v<scalar_t, float> && block_size % kKeys == 0 && head_dim == dim_pad;
   // bf16 scores straight from bf16 pairs, where the CPU has AVX512-BF16 (q and k stay as
   // stored; the scale comes after). qt and kt then hold pairs.
-  const bool paired = kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 2 == 0;
+  const bool paired = treadle::vec::kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 2 == 0;
   const int64_t half_dim = head_dim / 2;
   const int64_t threads = at::get_num_threads();
   std::atomic<int64_t> next{0};

@@ -1,6 +1,15 @@
 // AVX-512 helpers for the kernels: loads as fp32 and a 16 x 16 transpose (compiled only where
-// the CPU has AVX-512).
+// the CPU has AVX-512), and whether bf16 products can come from pairs.
 #pragma once
+
+namespace treadle::vec {
+// VDPBF16PS (AVX512-BF16) multiplies two bf16 pairs exactly and adds both products in fp32.
+#ifdef __AVX512BF16__
+constexpr bool kPairedBf16 = true;
+#else
+constexpr bool kPairedBf16 = false;
+#endif
+}  // namespace treadle::vec
 
 #ifdef __AVX512F__
 #include <ATen/ATen.h>

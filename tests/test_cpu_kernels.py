@@ -329,6 +329,37 @@ def test_native_prefill_matches_dense_attention(dtype, tol, heads, kv_heads, blo
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
+def _run_prefill(spans, heads, kv_heads, block_size, dtype, head_dim):
+    q, k_cache, v_cache, table, query_start = _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim)
+    context_lens = [ctx for ctx, _ in spans]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    scale = head_dim ** -0.5
+    torch.ops.treadle.paged_prefill_attention(
+        out, q, k_cache, v_cache, torch.from_numpy(table), torch.from_numpy(query_start),
+        torch.tensor(context_lens, dtype=torch.int32), scale)
+    return out, _dense_prefill(q, k_cache, v_cache, table, query_start, context_lens, scale)
+
+
+def _has_amx() -> bool:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+
+
+@needs_native
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 64), (32, 128)])
+def test_native_prefill_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_heads, block_size, head_dim):
+    """bf16 prefill on a CPU with AMX runs on tiles (TREADLE_AMX=0: the vector kernel). Both
+    match float64 attention; on tiles P is rounded to bf16, so where the CPU has AMX the two
+    differ in their last bits, and elsewhere the switch changes nothing."""
+    outs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("TREADLE_AMX", switch)
+        outs[switch], expected = _run_prefill(PREFILL_SPANS, heads, kv_heads, block_size, torch.bfloat16, head_dim)
+        torch.testing.assert_close(outs[switch].double(), expected, rtol=2e-2, atol=2e-2)
+    assert torch.equal(outs["1"], outs["0"]) != _has_amx()
+
+
 @needs_native
 def test_native_prefill_refuses_bad_inputs():
     k_cache = torch.zeros(4, 16, 2, 8)

@@ -9,7 +9,8 @@ one new query each (a decode step).
 Each kernel runs in its own engine's interpreter, one after the other: treadle's in this one,
 vLLM's in its virtual environment (setup.sh) with the environment run.py gives it. Both read
 random K/V from scattered blocks of each engine's default size (16 and 128 tokens), and both
-get a prompt as one causal span. Time nothing else while it runs.
+get a prompt as one causal span. vLLM's kernel is the one its server picks for the dtype and
+CPU ("amx" for bf16 on a CPU with AMX tiles, "vec" otherwise). Time nothing else while it runs.
 """
 
 from __future__ import annotations
@@ -73,7 +74,11 @@ def treadle_call(n: int, dtype: torch.dtype, batch: int) -> Callable[[], None]:
 
 def vllm_call(n: int, dtype: torch.dtype, batch: int) -> Callable[[], None]:
     import vllm._custom_ops as ops
-    block = 128   # vLLM-CPU's default; its "vec" kernel wants a multiple of 32
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    block = 128   # vLLM-CPU's default
+    # The kernel's AMX tiles need the kernel's leave (XTILEDATA), which a server has from
+    # oneDNN's first bf16 GEMM; alone, it would stop at SIGILL.
+    torch.cpu._init_amx()
     spans = max(batch, 1)
     table = scattered_tables(spans, -(-n // block))
     # vLLM's layout: [blocks, kv_heads, 2 * block, head_dim], K then V in each block.
@@ -86,7 +91,8 @@ def vllm_call(n: int, dtype: torch.dtype, batch: int) -> Callable[[], None]:
     seq_lens = torch.full((spans,), n, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=spans, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=seq_lens,
-        dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1, isa="vec",
+        dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1,
+        isa=_get_attn_isa(dtype, block, HEAD_DIM),   # the kernel its server picks: "amx" for bf16 where the CPU has AMX
         enable_kv_split=False)
     return lambda: ops.cpu_attention_with_kv_cache(
         query=q, key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=query_start,

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -67,24 +68,6 @@ inline float madd(float a, float b, float c) {
 #else
   return a * b + c;
 #endif
-}
-
-// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols; with AVX-512, whole 16 x 16
-// blocks go through registers. The values (or 32-bit words) are moved, never changed.
-void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 16)
-    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-      const float* s = src + r0 * ld_src + c0;
-      float* d = dst + c0 * ld_dst + r0;
-#ifdef __AVX512F__
-      if (r0 + 16 <= rows && c0 + 16 <= cols) {
-        treadle::vec::transpose16(s, ld_src, d, ld_dst);
-        continue;
-      }
-#endif
-      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i)
-        for (int64_t j = 0; j < std::min<int64_t>(16, cols - c0); ++j) d[j * ld_dst + i] = s[i * ld_src + j];
-    }
 }
 
 #ifdef __AVX512BF16__
@@ -198,7 +181,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
       }
       std::fill(rows_in_out + lanes * q_words, rows_in_out + width * q_words, 0.f);
-      transpose(rows_in_out, q_words, qt, width, width, q_words);
+      treadle::vec::transpose(rows_in_out, q_words, qt, width, width, q_words);
       std::fill(acc, acc + dim_pad * width, 0.f);
 
       const int64_t end = ctx + it.row1;  // the item's last row sees keys 0..end-1
@@ -318,7 +301,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           }
         }
       }
-      transpose(acc, width, rows_in_out, dim_pad, dim_pad, width);
+      treadle::vec::transpose(acc, width, rows_in_out, dim_pad, dim_pad, width);
       for (int64_t i = 0; i < lanes; ++i) {
         scalar_t* dst = o_data + (first_row + i / group) * o_tok + (first_head + i % group) * o_head;
         const float* src = rows_in_out + i * dim_pad;
@@ -347,6 +330,10 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type() &&
               q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  if (treadle::prefill_tiles_ready(q, k_cache)) {
+    treadle::prefill_attention_tiles(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
     prefill_attention<scalar_t>(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale);
   });

@@ -1,5 +1,6 @@
 // AVX-512 helpers for the kernels: loads as fp32 and a 16 x 16 transpose (compiled only where
-// the CPU has AVX-512), and whether bf16 products can come from pairs.
+// the CPU has AVX-512), whether bf16 products can come from pairs, and a transpose of any
+// shape.
 #pragma once
 
 namespace treadle::vec {
@@ -68,3 +69,28 @@ inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld
 
 }  // namespace treadle::vec
 #endif
+
+#include <algorithm>
+#include <cstdint>
+
+namespace treadle::vec {
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols; with AVX-512, whole 16 x 16
+// blocks go through registers. The values (or 32-bit words) are moved, never changed.
+inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const float* s = src + r0 * ld_src + c0;
+      float* d = dst + c0 * ld_dst + r0;
+#ifdef __AVX512F__
+      if (r0 + 16 <= rows && c0 + 16 <= cols) {
+        treadle::vec::transpose16(s, ld_src, d, ld_dst);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i)
+        for (int64_t j = 0; j < std::min<int64_t>(16, cols - c0); ++j) d[j * ld_dst + i] = s[i * ld_src + j];
+    }
+}
+
+}  // namespace treadle::vec

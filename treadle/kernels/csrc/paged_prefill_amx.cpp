@@ -1,0 +1,458 @@
+// bf16 paged prefill attention on AMX tiles (Intel Sapphire Rapids and later), called by
+// paged_prefill.cpp where the CPU has them: the same inputs, spans and causal rule, the same
+// work items (a tile of query rows of one span times the query heads of one KV head), but the
+// products run as tile multiplies (TDPBF16PS: a 16 x 32 bf16 tile times a 32 x 16 one into a
+// 16 x 16 fp32 tile, each product exact, summed in fp32): 2.9-3.7x faster than the vector
+// kernel's bf16 path on a Xeon with AMX (docs/benchmarks.md). TREADLE_AMX=0 turns it off.
+//
+// Per item, keys go by in chunks of up to kChunk:
+// - scores, keys x queries: A = 16 keys of K, read where they lie in the cache (a whole
+//   16-token block); B = the item's queries as bf16 pairs [d / 2][query], built once per item;
+// - an online softmax, lane by lane over the queries, as in the vector kernel; P is rounded to
+//   bf16 for the product with V, as torch's flash attention does for bf16 (the row sums stay
+//   fp32);
+// - out, queries x head_dim: A = P as [query][key pairs] (P interleaved by key pairs, then
+//   transposed as 32-bit words), B = V interleaved by key pairs [key / 2][d] (bf16 pairs).
+// Keys past the span's end (stale slots of its last block, possibly NaN) get p = 0 by a select
+// and their V rows are read as zeros.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "ops.h"
+#include "vec.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;         // queries per tile column block, keys per tile row block
+constexpr int64_t kChunk = 64;         // keys per softmax round (per rescale of the output)
+constexpr int64_t kItemQueries = 48;   // query vectors per item: three tile blocks
+constexpr int64_t kMaxBlocks = kItemQueries / kLanes;
+constexpr float kMasked = -1e30f;      // below any score, finite (-ffast-math assumes no inf)
+constexpr float kExpFloor = -87.f;     // see paged_prefill.cpp: libmvec's exp slows far below
+
+// Every tile 16 rows of 64 bytes: 0-3 accumulate, 4-5 hold A, 6-7 B (see multiply()).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) {
+      bytes_per_row[i] = 64;
+      rows[i] = 16;
+    }
+  }
+};
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// e^x for x in [-87, 0] (a little above 0 is fine too): 2^n e^r with n = round(x / ln 2) and
+// |r| <= ln 2 / 2, e^r from its Taylor series to the 6th power (relative error below 2e-7).
+// Inline, where libmvec's vector exp is a call that spills the loop's registers.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);   // ln 2 in two parts, so
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);         // r keeps its low bits
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Word indices for the interleaves below: kPairs[2n] = n, kPairs[2n + 1] = offset + n.
+template <int16_t kOffset>
+struct PairOrder {
+  alignas(64) static constexpr int16_t kIdx[32] = {
+      0, kOffset, 1, kOffset + 1, 2, kOffset + 2, 3, kOffset + 3, 4, kOffset + 4, 5, kOffset + 5,
+      6, kOffset + 6, 7, kOffset + 7, 8, kOffset + 8, 9, kOffset + 9, 10, kOffset + 10, 11, kOffset + 11,
+      12, kOffset + 12, 13, kOffset + 13, 14, kOffset + 14, 15, kOffset + 15};
+};
+
+// Word n of the result holds bf16(lo[n]) in its low half, bf16(hi[n]) in its high half: two
+// rows of P (keys 2r and 2r + 1) as the pairs a tile multiply wants.
+inline __m512i interleave_bf16(__m512 lo, __m512 hi) {
+  return _mm512_permutexvar_epi16(_mm512_load_si512(PairOrder<16>::kIdx), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// The same for two bf16 V rows of 32 dims each: words 0-15 of `low` pair dims 0-15, `high` 16-31.
+inline void interleave_rows(__m512i a, __m512i b, __m512i& low, __m512i& high) {
+  const __m512i order = _mm512_load_si512(PairOrder<32>::kIdx);
+  low = _mm512_permutex2var_epi16(a, order, b);
+  high = _mm512_permutex2var_epi16(a, _mm512_add_epi16(order, _mm512_set1_epi16(16)), b);
+}
+
+struct Item {
+  int64_t span, kv_head, row0, row1;
+};
+
+// One side of a tile product: up to two tiles, `first[i]`, each taking its k-th step
+// `k_step` bytes on, rows `stride` bytes apart.
+struct Tiles {
+  const void* first[2];
+  int64_t stride, k_step;
+  const char* at(int i, int64_t k) const { return static_cast<const char*>(first[i]) + k * k_step; }
+};
+
+// C[i][j] = (C[i][j] if accumulate, else 0) + sum over k < steps of A[i][k] B[k][j], for i < rows
+// and j < cols (each 1 or 2): four independent accumulators (tiles 0-3) where one would make
+// every multiply wait for the one before. A in tiles 4-5, B in 6-7.
+inline void multiply(const Tiles& a, const Tiles& b, int64_t steps, float* const (&c)[2][2], int64_t c_stride,
+                     int rows, int cols, bool accumulate) {
+#define TREADLE_C(i, j, tile)                                          \
+  if (i < rows && j < cols) {                                          \
+    if (accumulate) _tile_loadd(tile, c[i][j], c_stride);              \
+    else _tile_zero(tile);                                             \
+  }
+  TREADLE_C(0, 0, 0) TREADLE_C(0, 1, 1) TREADLE_C(1, 0, 2) TREADLE_C(1, 1, 3)
+#undef TREADLE_C
+  for (int64_t k = 0; k < steps; ++k) {
+    _tile_loadd(4, a.at(0, k), a.stride);
+    _tile_loadd(6, b.at(0, k), b.stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (cols > 1) {
+      _tile_loadd(7, b.at(1, k), b.stride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (rows > 1) {
+      _tile_loadd(5, a.at(1, k), a.stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (cols > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0][0], c_stride);
+  if (cols > 1) _tile_stored(1, c[0][1], c_stride);
+  if (rows > 1) _tile_stored(2, c[1][0], c_stride);
+  if (rows > 1 && cols > 1) _tile_stored(3, c[1][1], c_stride);
+}
+
+// Where a step's tensors are, and how they are laid out (see paged_prefill.cpp).
+struct Step {
+  int64_t group, block_size, max_blocks, q_tok, q_head, o_tok, o_head, c_block, c_tok, c_head;
+  const c10::BFloat16 *q, *k, *v;
+  c10::BFloat16* out;
+  const int32_t *tables, *starts, *ctx_lens;
+  float scale;
+};
+
+// One thread's work on items, chunk by chunk, in stages that keep the tiles and the vector
+// code out of each other's way: chunk c + 1's scores are issued before chunk c's softmax reads
+// its own, and other vector work sits between P's stores and the tile loads of P V (a tile
+// load of data vector stores just wrote waits for them to drain). Scores and V's pairs are
+// double-buffered for it.
+template <int kHalves>
+class ItemWork {
+ public:
+  static constexpr int64_t kDim = 32 * kHalves, kHalfDim = kDim / 2, kDimBlocks = kDim / kLanes;
+
+  ItemWork(const Step& st, int64_t max_width)
+      : st_(st), max_width_(max_width),
+        scratch_(at::zeros({max_width * kHalfDim * 2 + 2 * kChunk * max_width + kMaxBlocks * (kChunk / 32) * 256 +
+                            kChunk * kDim + 2 * max_width * kDim + kChunk * kHalfDim + 256 + 5 * max_width},
+                           at::kFloat)) {
+    // Per thread, 64-byte aligned: queries as rows, then as pairs [d / 2][lane]; two chunks'
+    // scores [key][lane]; P as A tiles [block][key-pair block][16 queries][16 pairs]; two
+    // chunks' V as pairs [key / 2][d]; the output [lane][d] and a chunk's P V; a chunk's K
+    // tiles where they are not read in place; a 16 x 16 word staging square; per lane the
+    // running max and sum, two chunks' rescales, and the position.
+    float* f = scratch_.data_ptr<float>();
+    q_rows_ = f;
+    qt_ = reinterpret_cast<uint32_t*>(q_rows_ + max_width * kHalfDim);
+    s_[0] = reinterpret_cast<float*>(qt_ + max_width * kHalfDim);
+    s_[1] = s_[0] + kChunk * max_width;
+    pa_ = reinterpret_cast<uint32_t*>(s_[1] + kChunk * max_width);
+    vp_[0] = pa_ + kMaxBlocks * (kChunk / 32) * 256;
+    vp_[1] = vp_[0] + (kChunk / 2) * kDim;
+    acc_ = reinterpret_cast<float*>(vp_[1] + (kChunk / 2) * kDim);
+    pv_ = acc_ + max_width * kDim;
+    k_tile_ = reinterpret_cast<c10::BFloat16*>(pv_ + max_width * kDim);
+    square_ = reinterpret_cast<uint32_t*>(k_tile_ + kChunk * kDim);
+    m_ = reinterpret_cast<float*>(square_ + 256);
+    l_ = m_ + max_width;
+    alpha_[0] = l_ + max_width;
+    alpha_[1] = alpha_[0] + max_width;
+    pos_ = reinterpret_cast<int32_t*>(alpha_[1] + max_width);
+  }
+
+  void run(const Item& it) {
+    start(it);
+    const int64_t chunks = (end_ + kChunk - 1) / kChunk;
+    scores(0);
+    pack_v(0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (c + 1 < chunks) scores(c + 1);
+      softmax(c);
+      if (c + 1 < chunks) pack_v(c + 1);
+      if (c > 0) fold(c - 1);
+      product(c);
+    }
+    fold(chunks - 1);
+    finish();
+  }
+
+ private:
+  int64_t tiles_of(int64_t c) const { return (std::min(kChunk, end_ - c * kChunk) + kLanes - 1) / kLanes; }
+  int64_t row_of(int64_t t) const {   // token t's row of this KV head in the cache
+    return table_[t / st_.block_size] * st_.c_block + (t % st_.block_size) * st_.c_tok + kv_head_ * st_.c_head;
+  }
+
+  // The item's queries as bf16 pairs [d / 2][lane] (lane i: row row0 + i / group, head
+  // first_head + i % group; padding lanes are zeros at position -1, computed and never written).
+  void start(const Item& it) {
+    const int64_t ctx = st_.ctx_lens[it.span];
+    table_ = st_.tables + it.span * st_.max_blocks;
+    kv_head_ = it.kv_head;
+    first_row_ = st_.starts[it.span] + it.row0;
+    first_head_ = it.kv_head * st_.group;
+    lanes_ = (it.row1 - it.row0) * st_.group;
+    width_ = round_up(lanes_, kLanes);
+    blocks_ = width_ / kLanes;
+    end_ = ctx + it.row1;   // the item's last row sees keys 0..end - 1
+    for (int64_t i = 0; i < width_; ++i) {
+      pos_[i] = i < lanes_ ? static_cast<int32_t>(ctx + it.row0 + i / st_.group) : -1;
+      m_[i] = kMasked;
+      l_[i] = 0.f;
+    }
+    for (int64_t i = 0; i < lanes_; ++i)
+      std::memcpy(q_rows_ + i * kHalfDim,
+                  st_.q + (first_row_ + i / st_.group) * st_.q_tok + (first_head_ + i % st_.group) * st_.q_head,
+                  kDim * sizeof(c10::BFloat16));
+    std::fill(q_rows_ + lanes_ * kHalfDim, q_rows_ + width_ * kHalfDim, 0.f);
+    treadle::vec::transpose(q_rows_, kHalfDim, reinterpret_cast<float*>(qt_), width_, width_, kHalfDim);
+    std::fill(acc_, acc_ + width_ * kDim, 0.f);
+  }
+
+  // Chunk c's raw scores [key][query]: A = K (16 keys x 32 dims per step), B = the queries'
+  // pairs. K tiles are read where they lie when a tile fills (part of) one block; else
+  // copied, with zeros past the end. Keys past the end read in place are stale slots of the
+  // span's last block: the softmax masks their scores by a select, whatever they hold.
+  void scores(int64_t c) {
+    const int64_t t0 = c * kChunk, tiles = tiles_of(c);
+    const bool in_place = st_.block_size % kLanes == 0;
+    const int64_t k_stride = in_place ? st_.c_tok * 2 : kDim * 2;
+    const c10::BFloat16* k_rows[kChunk / kLanes];
+    for (int64_t j = 0; j < tiles; ++j) {
+      const int64_t t = t0 + j * kLanes;
+      if (in_place) {
+        k_rows[j] = st_.k + row_of(t);
+        continue;
+      }
+      c10::BFloat16* tile = k_tile_ + j * kLanes * kDim;
+      for (int64_t r = 0; r < kLanes; ++r) {
+        c10::BFloat16* dst = tile + r * kDim;
+        if (t + r < end_) std::memcpy(dst, st_.k + row_of(t + r), kDim * sizeof(c10::BFloat16));
+        else std::memset(dst, 0, kDim * sizeof(c10::BFloat16));
+      }
+      k_rows[j] = tile;
+    }
+    float* s = s_[c & 1];
+    const int64_t ld = width_ * 4;
+    for (int64_t j = 0; j < tiles; j += 2)
+      for (int64_t b = 0; b < blocks_; b += 2) {
+        const int rows = std::min<int64_t>(2, tiles - j), cols = std::min<int64_t>(2, blocks_ - b);
+        const Tiles k_side{{k_rows[j], k_rows[j + rows - 1]}, k_stride, 64};
+        const Tiles q_side{{qt_ + b * kLanes, qt_ + (b + cols - 1) * kLanes}, ld, 16 * ld};
+        float* const o = s + j * kLanes * width_ + b * kLanes;
+        float* const out[2][2] = {{o, o + kLanes}, {o + kLanes * width_, o + kLanes * width_ + kLanes}};
+        multiply(k_side, q_side, kHalves, out, ld, rows, cols, false);
+      }
+  }
+
+  // Chunk c's V as pairs [key / 2][d]; keys past the end (or past the chunk's tiles) are zeros.
+  void pack_v(int64_t c) {
+    const int64_t t0 = c * kChunk;
+    uint32_t* vp = vp_[c & 1];
+    for (int64_t r = 0; r < (tiles_of(c) + 1) / 2 * kLanes; ++r) {
+      const int64_t t = t0 + 2 * r;
+      const c10::BFloat16* v0 = t < end_ ? st_.v + row_of(t) : nullptr;
+      const c10::BFloat16* v1 = t + 1 < end_ ? st_.v + row_of(t + 1) : nullptr;
+      for (int64_t d = 0; d < kDim; d += 32) {
+        const __m512i a = v0 ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
+        const __m512i b = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+        __m512i low, high;
+        interleave_rows(a, b, low, high);
+        _mm512_storeu_si512(vp + r * kDim + d, low);
+        _mm512_storeu_si512(vp + r * kDim + d + 16, high);
+      }
+    }
+  }
+
+  // Online softmax, lane by lane, over chunk c's scaled scores s * scale. Keys a lane may not
+  // see (later positions, or stale slots past the end, whatever they hold) are left out of
+  // its max by a mask and get p = 0 by a select; a chunk every lane of the block sees in full
+  // skips both. P goes out as the A tiles of the product with V: rows of keys 2r and 2r + 1
+  // interleaved into words [pair][query], then transposed.
+  void softmax(int64_t c) {
+    const int64_t t0 = c * kChunk, rows = tiles_of(c) * kLanes, pair_blocks = (rows + 31) / 32;
+    const __m512 scale = _mm512_set1_ps(st_.scale), floor = _mm512_set1_ps(kExpFloor);
+    for (int64_t b = 0; b < blocks_; ++b) {
+      const float* sb = s_[c & 1] + b * kLanes;
+      const __m512i lane_pos = _mm512_loadu_si512(pos_ + b * kLanes);
+      const bool masked = t0 + rows - 1 > pos_[b * kLanes];   // lane 0 has the block's least
+      auto seen = [&](int64_t r) {
+        return _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + r)), lane_pos);
+      };
+      __m512 raw_max = _mm512_set1_ps(kMasked);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 v = _mm512_loadu_ps(sb + r * width_);
+        raw_max = masked ? _mm512_mask_max_ps(raw_max, seen(r), raw_max, v) : _mm512_max_ps(raw_max, v);
+      }
+      const __m512 old_max = _mm512_loadu_ps(m_ + b * kLanes);
+      const __m512 mx = _mm512_max_ps(old_max, _mm512_mul_ps(raw_max, scale));
+      const __m512 alpha = exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, mx), floor));
+      _mm512_storeu_ps(alpha_[c & 1] + b * kLanes, alpha);
+      _mm512_storeu_ps(m_ + b * kLanes, mx);
+      auto probability = [&](int64_t r) {
+        const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sb + r * width_), scale), mx);
+        const __m512 e = exp_nonpositive(_mm512_max_ps(x, floor));   // max() also turns a NaN into the floor
+        return masked ? _mm512_maskz_mov_ps(seen(r), e) : e;
+      };
+      __m512 sum = _mm512_setzero_ps();
+      uint32_t* pa = pa_ + b * (kChunk / 32) * 256;
+      for (int64_t pb = 0; pb < pair_blocks; ++pb) {
+        for (int64_t r = 0; r < kLanes; ++r) {
+          const int64_t key = pb * 32 + 2 * r;
+          __m512 p0 = _mm512_setzero_ps(), p1 = p0;
+          if (key < rows) {   // rows is even: key + 1 is a row too
+            p0 = probability(key);
+            p1 = probability(key + 1);
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+          }
+          _mm512_storeu_si512(square_ + r * kLanes, interleave_bf16(p0, p1));
+        }
+        treadle::vec::transpose16(reinterpret_cast<const float*>(square_), kLanes,
+                                  reinterpret_cast<float*>(pa + pb * 256), kLanes);
+      }
+      _mm512_storeu_ps(l_ + b * kLanes, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l_ + b * kLanes), alpha), sum));
+    }
+  }
+
+  // pv[query][d] = P[query][key] V[key][d] for chunk c: A = P (16 queries x 32 keys per
+  // step), B = V's pairs. Into fresh tiles; fold() adds them to the output later.
+  void product(int64_t c) {
+    const int64_t pair_blocks = (tiles_of(c) + 1) / 2;
+    const uint32_t* vp = vp_[c & 1];
+    for (int64_t b = 0; b < blocks_; b += 2)
+      for (int64_t d = 0; d < kDimBlocks; d += 2) {
+        const int rows = std::min<int64_t>(2, blocks_ - b);
+        const uint32_t* p_first = pa_ + b * (kChunk / 32) * 256;
+        const Tiles p_side{{p_first, p_first + (rows - 1) * (kChunk / 32) * 256}, 64, 1024};
+        const Tiles v_side{{vp + d * kLanes, vp + (d + 1) * kLanes}, kDim * 4, kLanes * kDim * 4};
+        float* const o = pv_ + b * kLanes * kDim + d * kLanes;
+        float* const out[2][2] = {{o, o + kLanes}, {o + kLanes * kDim, o + kLanes * kDim + kLanes}};
+        multiply(p_side, v_side, pair_blocks, out, kDim * 4, rows, 2, false);
+      }
+  }
+
+  // acc = acc * alpha + pv, row i by lane i's rescale for chunk c: its P V into the output.
+  void fold(int64_t c) {
+    for (int64_t i = 0; i < width_; ++i) {
+      const __m512 a = _mm512_set1_ps(alpha_[c & 1][i]);
+      for (int64_t d = i * kDim; d < (i + 1) * kDim; d += kLanes)
+        _mm512_storeu_ps(acc_ + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc_ + d), a, _mm512_loadu_ps(pv_ + d)));
+    }
+  }
+
+  void finish() {
+    for (int64_t i = 0; i < lanes_; ++i) {
+      c10::BFloat16* dst = st_.out + (first_row_ + i / st_.group) * st_.o_tok + (first_head_ + i % st_.group) * st_.o_head;
+      const __m512 inv = _mm512_set1_ps(1.f / l_[i]);
+      for (int64_t d = 0; d < kDim; d += kLanes)   // rounded to nearest even, as torch's cast
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc_ + i * kDim + d), inv)));
+    }
+  }
+
+  const Step& st_;
+  int64_t max_width_;
+  at::Tensor scratch_;
+  float *q_rows_, *s_[2], *acc_, *pv_, *m_, *l_, *alpha_[2];
+  uint32_t *qt_, *pa_, *vp_[2], *square_;
+  c10::BFloat16* k_tile_;
+  int32_t* pos_;
+  // The item at hand.
+  const int32_t* table_ = nullptr;
+  int64_t kv_head_ = 0, first_row_ = 0, first_head_ = 0, lanes_ = 0, width_ = 0, blocks_ = 0, end_ = 0;
+};
+
+template <int kHalves>
+void prefill_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+  using bf16 = c10::BFloat16;
+  const Step st{q.size(1) / k_cache.size(2), k_cache.size(1), block_table.size(1), q.stride(0), q.stride(1),
+                out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                q.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), out.data_ptr<bf16>(),
+                block_table.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                static_cast<float>(scale)};
+  // Items from the last rows of each span back, as in the vector kernel.
+  const int64_t rows_per_item = std::max<int64_t>(1, kItemQueries / st.group);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < context_lens.size(0); ++s) {
+    const int64_t rows = st.starts[s + 1] - st.starts[s], ctx = st.ctx_lens[s];
+    TORCH_CHECK(rows >= 0 && ctx >= 0 && ctx + rows <= st.max_blocks * st.block_size && st.starts[s] >= 0 &&
+                st.starts[s + 1] <= q.size(0), "span ", s, " does not fit its rows or its block table");
+    for (int64_t h = 0; h < k_cache.size(2); ++h)
+      for (int64_t row1 = rows; row1 > 0; row1 -= rows_per_item)
+        items.push_back({s, h, std::max<int64_t>(0, row1 - rows_per_item), row1});
+  }
+  const int64_t max_width = round_up(rows_per_item * st.group, kLanes);
+  TORCH_CHECK(max_width <= kItemQueries, "an item holds at most ", kItemQueries, " queries");
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+    ItemWork<kHalves> work(st, max_width);
+    for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) work.run(items[idx]);
+    _tile_release();
+  });
+}
+
+bool request_tiles() {
+  constexpr long kReqPermission = 0x1023, kTileData = 18;   // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqPermission, kTileData) == 0;
+}
+
+}  // namespace
+
+namespace treadle {
+
+bool prefill_tiles_ready(const at::Tensor& q, const at::Tensor& k_cache) {
+  static const bool permitted = request_tiles();
+  const char* off = std::getenv("TREADLE_AMX");   // "0": the vector kernel (tests, comparisons)
+  return permitted && !(off && off[0] == '0') && q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128) &&
+         q.size(1) / k_cache.size(2) <= kItemQueries;
+}
+
+void prefill_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+  if (q.size(2) == 64)
+    ::prefill_attention_tiles<2>(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale);
+  else
+    ::prefill_attention_tiles<4>(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale);
+}
+
+}  // namespace treadle
+
+#else
+
+namespace treadle {
+bool prefill_tiles_ready(const at::Tensor&, const at::Tensor&) { return false; }
+void prefill_attention_tiles(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, double) {
+  TORCH_CHECK(false, "built without AMX tiles");
+}
+}  // namespace treadle
+
+#endif

@@ -4,7 +4,8 @@
   where the torch path gathers them into a dense buffer and SDPA reads them again.
 - `paged_prefill_attention`: the same for prefill chunks (causal, after any cached context),
   all of a step's chunks in one call where the torch path makes a gather, a mask and an SDPA
-  call per chunk.
+  call per chunk. In bf16 on a CPU with AMX its products run on tiles (paged_prefill_amx.cpp;
+  TREADLE_AMX=0 keeps the vector code).
 - `small_rows_linear`: a linear layer at a few rows (small-batch decode; `linear.SMALL_ROWS`),
   which streams each weight row once where oneDNN's GEMM, tuned for many rows, reads weights
   at about half that rate.

@@ -2,8 +2,8 @@
 //
 // At a handful of rows a linear layer is bound by reading its weight from memory once, not by
 // arithmetic. oneDNN's GEMM, tuned for large M, reached about half of the copy bandwidth at
-// M = 1 here; this streams each weight row once, each thread along two sequential runs of rows
-// (which the hardware prefetcher follows), and multiplies it against every row of x while it
+// M = 1 here; this streams each weight row once, each thread along up to eight sequential runs
+// of rows (which the hardware prefetcher follows), and multiplies it against every row of x while it
 // is in L1. Accumulates in fp32 and rounds once to the output dtype, as a GEMM does.
 //
 // `int8_rows_linear` is the same loop over weight-only int8 rows (opt-in quantization): a
@@ -155,15 +155,22 @@ inline void columns_avx512(const float* xf, int64_t k, const Rows& w, int64_t co
                                          k_vec, k, bias);
 }
 
-// A thread's columns [begin, end): two streams over its two halves, then the odd one out.
+// Streams per thread at R rows of x: as many as R * S <= 16 accumulators allow, at most 8. At
+// batch 1 on a Xeon, 8 streams against 2 took a decode step from 13.9 to 11.6 ms in bf16 and
+// 22.0 to 19.7 in fp32; 12 were no faster (docs/benchmarks.md).
+template <int R>
+constexpr int kStreams = R <= 2 ? 8 : (R <= 4 ? 4 : 2);
+
+// A thread's columns [begin, end): kStreams streams over as many equal parts, then the
+// columns left over one at a time.
 template <int R, typename scalar_t, typename Rows>
 void columns_avx512_range(const float* xf, int64_t k, const Rows& w, int64_t begin, int64_t end,
                           const scalar_t* bias, scalar_t* y, int64_t ys) {
-  constexpr int S = 2;   // R * S accumulators: at most 16 of the 32 vector registers
-  const int64_t half = (end - begin) / S;
-  for (int64_t col = begin; col < begin + half; ++col)
-    columns_avx512<R, S>(xf, k, w, col, half, bias, y, ys);
-  for (int64_t col = begin + S * half; col < end; ++col) columns_avx512<R, 1>(xf, k, w, col, 0, bias, y, ys);
+  constexpr int S = kStreams<R>;
+  const int64_t part = (end - begin) / S;
+  for (int64_t col = begin; col < begin + part; ++col)
+    columns_avx512<R, S>(xf, k, w, col, part, bias, y, ys);
+  for (int64_t col = begin + S * part; col < end; ++col) columns_avx512<R, 1>(xf, k, w, col, 0, bias, y, ys);
 }
 #endif
 

@@ -2,7 +2,7 @@
 // paged_prefill.cpp where the CPU has them: the same inputs, spans and causal rule, the same
 // work items (a tile of query rows of one span times the query heads of one KV head), but the
 // products run as tile multiplies (TDPBF16PS: a 16 x 32 bf16 tile times a 32 x 16 one into a
-// 16 x 16 fp32 tile, each product exact, summed in fp32): 2.9-3.7x faster than the vector
+// 16 x 16 fp32 tile, each product exact, summed in fp32): 2.9-3.6x faster than the vector
 // kernel's bf16 path on a Xeon with AMX (docs/benchmarks.md). TREADLE_AMX=0 turns it off.
 //
 // Per item, keys go by in chunks of up to kChunk:

@@ -27,7 +27,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -145,11 +144,11 @@ struct Step {
   float scale;
 };
 
-// One thread's work on items, chunk by chunk, in stages that keep the tiles and the vector
-// code out of each other's way: chunk c + 1's scores are issued before chunk c's softmax reads
-// its own, and other vector work sits between P's stores and the tile loads of P V (a tile
-// load of data vector stores just wrote waits for them to drain). Scores and V's pairs are
-// double-buffered for it.
+// One thread's work on items, chunk by chunk, in stages: chunk c + 1's scores are issued
+// before chunk c's softmax reads its own, and other vector work sits between P's stores and
+// the tile loads of P V (a tile load of data vector stores just wrote waits for them to
+// drain). Scores and V's pairs are double-buffered for it. On the Xeon measured, this order
+// ran level with the plain one (docs/benchmarks.md); it leaves room for the overlap.
 template <int kHalves>
 class ItemWork {
  public:

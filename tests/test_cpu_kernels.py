@@ -317,19 +317,12 @@ PREFILL_SPANS = [(0, 37), (0, 1), (300, 4), (17, 1), (5, 100), (0, 0), (64, 20),
 def test_native_prefill_matches_dense_attention(dtype, tol, heads, kv_heads, block_size, head_dim):
     """Block sizes that hold whole 16-key tiles (fp32 reads them in place) and one that does
     not; a head_dim that is not a multiple of 16 (the transposes' leftover path)."""
-    q, k_cache, v_cache, table, query_start = _paged_prefill_case(PREFILL_SPANS, heads, kv_heads,
-                                                                  block_size, dtype, head_dim)
-    context_lens = [ctx for ctx, _ in PREFILL_SPANS]
-    out = torch.full(q.shape, float("nan"), dtype=dtype)
-    scale = q.shape[-1] ** -0.5
-    torch.ops.treadle.paged_prefill_attention(
-        out, q, k_cache, v_cache, torch.from_numpy(table), torch.from_numpy(query_start),
-        torch.tensor(context_lens, dtype=torch.int32), scale)
-    expected = _dense_prefill(q, k_cache, v_cache, table, query_start, context_lens, scale)
+    out, expected = _run_prefill(PREFILL_SPANS, heads, kv_heads, block_size, dtype, head_dim)
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
 def _run_prefill(spans, heads, kv_heads, block_size, dtype, head_dim):
+    """The kernel's output for the spans (context, queries), and float64 attention's."""
     q, k_cache, v_cache, table, query_start = _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim)
     context_lens = [ctx for ctx, _ in spans]
     out = torch.full(q.shape, float("nan"), dtype=dtype)
@@ -341,8 +334,7 @@ def _run_prefill(spans, heads, kv_heads, block_size, dtype, head_dim):
 
 
 def _has_amx() -> bool:
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu._cpu_flags().split())
 
 
 @needs_native

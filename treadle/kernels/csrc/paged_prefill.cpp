@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "prefill_items.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -52,14 +53,10 @@ constexpr int64_t kDimBlock = 8;
 // Query vectors (rows x the group's heads) per work item: enough that a K/V tile serves many
 // queries; the item's buffers (q, acc: 12 KiB each at head_dim 64) stay in L1/L2.
 constexpr int64_t kItemQueries = 48;
-// Below any score, yet finite: -ffast-math assumes no inf.
-constexpr float kMasked = -1e30f;
-// exp's argument is kept above this, where exp is still a normal float (1.6e-38, nothing
-// next to the row's largest term, 1): libmvec's vector exp takes a slow scalar path for
-// lanes far out of range, such as masked keys. Masked keys get p = 0 by a select instead.
-constexpr float kExpFloor = -87.f;
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+using treadle::prefill::Item;
+using treadle::prefill::kExpFloor;
+using treadle::prefill::kMasked;
+using treadle::prefill::round_up;
 
 // a * b + c with one rounding where the CPU fuses them; elsewhere std::fma is a slow library call.
 inline float madd(float a, float b, float c) {
@@ -88,10 +85,6 @@ inline void score_pairs(const uint32_t* qp, int64_t width, const uint32_t* kp, i
 }
 #endif
 
-struct Item {
-  int64_t span, kv_head, row0, row1;  // rows row0..row1 of the span
-};
-
 template <typename scalar_t>
 void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -112,18 +105,9 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int32_t* ctx_lens = context_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
 
-  // Items from the last rows of each span back: those see the most keys, and handing them
-  // out first leaves the short ones to even out the threads at the end.
   const int64_t rows_per_item = std::max<int64_t>(1, kItemQueries / group);
-  std::vector<Item> items;
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const int64_t rows = starts[s + 1] - starts[s], ctx = ctx_lens[s];
-    TORCH_CHECK(rows >= 0 && ctx >= 0 && ctx + rows <= max_blocks * block_size && starts[s] >= 0 &&
-                starts[s + 1] <= q.size(0), "span ", s, " does not fit its rows or its block table");
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t row1 = rows; row1 > 0; row1 -= rows_per_item)
-        items.push_back({s, h, std::max<int64_t>(0, row1 - rows_per_item), row1});
-  }
+  const std::vector<Item> items = treadle::prefill::make_items(starts, ctx_lens, num_spans, num_kv_heads, rows_per_item,
+                                                               max_blocks * block_size, q.size(0));
 
   const int64_t max_width = round_up(rows_per_item * group, kLanes);
   const int64_t dim_pad = round_up(head_dim, kDimBlock);

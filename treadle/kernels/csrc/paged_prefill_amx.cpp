@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include "ops.h"
+#include "prefill_items.h"
 #include "vec.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
@@ -37,8 +38,10 @@ constexpr int64_t kLanes = 16;         // queries per tile column block, keys pe
 constexpr int64_t kChunk = 64;         // keys per softmax round (per rescale of the output)
 constexpr int64_t kItemQueries = 48;   // query vectors per item: three tile blocks
 constexpr int64_t kMaxBlocks = kItemQueries / kLanes;
-constexpr float kMasked = -1e30f;      // below any score, finite (-ffast-math assumes no inf)
-constexpr float kExpFloor = -87.f;     // see paged_prefill.cpp: libmvec's exp slows far below
+using treadle::prefill::Item;
+using treadle::prefill::kExpFloor;
+using treadle::prefill::kMasked;
+using treadle::prefill::round_up;
 
 // Every tile 16 rows of 64 bytes: 0-3 accumulate, 4-5 hold A, 6-7 B (see multiply()).
 struct alignas(64) TileConfig {
@@ -53,8 +56,6 @@ struct alignas(64) TileConfig {
     }
   }
 };
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // e^x for x in [-87, 0] (a little above 0 is fine too): 2^n e^r with n = round(x / ln 2) and
 // |r| <= ln 2 / 2, e^r from its Taylor series to the 6th power (relative error below 2e-7).
@@ -90,10 +91,6 @@ inline void interleave_rows(__m512i a, __m512i b, __m512i& low, __m512i& high) {
   low = _mm512_permutex2var_epi16(a, order, b);
   high = _mm512_permutex2var_epi16(a, _mm512_add_epi16(order, _mm512_set1_epi16(16)), b);
 }
-
-struct Item {
-  int64_t span, kv_head, row0, row1;
-};
 
 // One side of a tile product: up to two tiles, `first[i]`, each taking its k-th step
 // `k_step` bytes on, rows `stride` bytes apart.
@@ -394,17 +391,10 @@ void prefill_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Ten
                 q.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), out.data_ptr<bf16>(),
                 block_table.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                 static_cast<float>(scale)};
-  // Items from the last rows of each span back, as in the vector kernel.
   const int64_t rows_per_item = std::max<int64_t>(1, kItemQueries / st.group);
-  std::vector<Item> items;
-  for (int64_t s = 0; s < context_lens.size(0); ++s) {
-    const int64_t rows = st.starts[s + 1] - st.starts[s], ctx = st.ctx_lens[s];
-    TORCH_CHECK(rows >= 0 && ctx >= 0 && ctx + rows <= st.max_blocks * st.block_size && st.starts[s] >= 0 &&
-                st.starts[s + 1] <= q.size(0), "span ", s, " does not fit its rows or its block table");
-    for (int64_t h = 0; h < k_cache.size(2); ++h)
-      for (int64_t row1 = rows; row1 > 0; row1 -= rows_per_item)
-        items.push_back({s, h, std::max<int64_t>(0, row1 - rows_per_item), row1});
-  }
+  const std::vector<Item> items = treadle::prefill::make_items(st.starts, st.ctx_lens, context_lens.size(0),
+                                                               k_cache.size(2), rows_per_item,
+                                                               st.max_blocks * st.block_size, q.size(0));
   const int64_t max_width = round_up(rows_per_item * st.group, kLanes);
   TORCH_CHECK(max_width <= kItemQueries, "an item holds at most ", kItemQueries, " queries");
   std::atomic<int64_t> next{0};
@@ -427,10 +417,12 @@ bool request_tiles() {
 namespace treadle {
 
 bool prefill_tiles_ready(const at::Tensor& q, const at::Tensor& k_cache) {
-  static const bool permitted = request_tiles();
   const char* off = std::getenv("TREADLE_AMX");   // "0": the vector kernel (tests, comparisons)
-  return permitted && !(off && off[0] == '0') && q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128) &&
-         q.size(1) / k_cache.size(2) <= kItemQueries;
+  if ((off && off[0] == '0') || q.scalar_type() != at::kBFloat16 || (q.size(2) != 64 && q.size(2) != 128) ||
+      q.size(1) / k_cache.size(2) > kItemQueries)
+    return false;
+  static const bool permitted = request_tiles();   // asked once, and only by a process that would use them
+  return permitted;
 }
 
 void prefill_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

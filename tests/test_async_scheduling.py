@@ -113,7 +113,7 @@ def test_smollm2_pause_keep_clear_cache_resume_is_token_exact(smollm2_path, smol
 
 
 def test_smollm2_async_under_preemption(smollm2_path, reference):
-    llm = LLM(smollm2_path, async_scheduling=True, max_num_batched_tokens=32, num_kv_blocks=14,
+    llm = LLM(smollm2_path, async_scheduling=True, max_num_batched_tokens=32, block_size=16, num_kv_blocks=14,
               max_num_seqs=4)
     assert_matches_reference(llm, reference(smollm2_path), prompt_ids(llm), max_tokens=32)
     assert llm.engine.core.scheduler.num_preemptions > 0

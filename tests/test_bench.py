@@ -43,7 +43,7 @@ def test_bench_spec_reports_every_workload(tiny_checkpoints, tmp_path):
 
 def test_bench_kv_loads_the_prefix_and_agrees(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "kv.json"
-    assert main(["bench", "kv", "--model", tiny_checkpoints["llama"], "--prefix-len", "64",
+    assert main(["bench", "kv", "--model", tiny_checkpoints["llama"], "--prefix-len", "144",
                  "--suffix-len", "4", "--num-requests", "2", "--store", str(tmp_path / "store"),
                  "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())

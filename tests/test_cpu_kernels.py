@@ -63,7 +63,7 @@ def test_no_packing_off_cpu():
 @needs_packing
 def test_engine_repacks_after_weight_update(tiny_checkpoints):
     """update_weights goes through the packed GEMMs: zeroing the head changes every token."""
-    llm = LLM(tiny_checkpoints["llama"], num_kv_blocks=64)
+    llm = LLM(tiny_checkpoints["llama"], block_size=16, num_kv_blocks=64)
     runner = llm.engine.core.executor.worker.runner
     assert runner.model.model.layers[0].mlp.gate_up_proj.packed is not None
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -133,7 +133,7 @@ def test_gather_buffer_grows_and_is_reused():
 @needs_packing
 def test_model_load_weights_through_collective_rpc_repacks(tiny_checkpoints):
     """RL frameworks load weights from a worker-side function; the packed GEMMs follow."""
-    llm = LLM(tiny_checkpoints["qwen2"], num_kv_blocks=64)
+    llm = LLM(tiny_checkpoints["qwen2"], block_size=16, num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [{"prompt_token_ids": [7, 11, 13, 17, 19, 23]}]
     before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -176,6 +176,12 @@ def _dense_decode(q, k_cache, v_cache, table, seq_lens, scale):
 # block size 32 and 8); 40 takes the plain loops everywhere.
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (40, 8)])
 def test_native_decode_matches_dense_attention(dtype, tol, heads, kv_heads, num_seqs, head_dim, block_size):
+    out, expected = _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size):
+    """The decode kernel's output on scattered blocks, and float64 attention's."""
     rng = np.random.default_rng(num_seqs)
     num_blocks = 512 * 16 // block_size
     seq_lens = [1, 16, 17, 300, 33][:num_seqs] + [int(x) for x in rng.integers(1, 200, max(0, num_seqs - 5))]
@@ -201,7 +207,25 @@ def test_native_decode_matches_dense_attention(dtype, tol, heads, kv_heads, num_
             v_cache[table[i, n // block_size], n % block_size:] = float("nan")
     torch.ops.treadle.paged_decode_attention(out, q, k_cache, v_cache, torch.from_numpy(table),
                                              torch.tensor(seq_lens, dtype=torch.int32), scale)
-    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    return out, expected
+
+
+@needs_native
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4), (32, 2), (34, 2)])
+@pytest.mark.parametrize("num_seqs", [3, 40])   # 3: an item per KV head; 40: a sequence's heads together
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (128, 64), (32, 128), (8, 64)])
+def test_native_decode_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_heads, num_seqs, block_size, head_dim):
+    """bf16 decode on a CPU with AMX runs on tiles when a KV head has at most 16 query heads
+    and a block a multiple of 16 tokens (TREADLE_AMX=0: the vector kernel). Both match float64
+    attention; on tiles P is rounded to bf16, so there the two differ in their last bits, and
+    elsewhere the switch changes nothing."""
+    outs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("TREADLE_AMX", switch)
+        outs[switch], expected = _run_decode(torch.bfloat16, heads, kv_heads, num_seqs, head_dim, block_size)
+        torch.testing.assert_close(outs[switch].double(), expected, rtol=2e-2, atol=2e-2)
+    on_tiles = _has_amx() and heads // kv_heads <= 16 and block_size % 16 == 0
+    assert torch.equal(outs["1"], outs["0"]) != on_tiles
 
 
 @needs_native
@@ -255,7 +279,7 @@ def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypat
     runs = {}
     for switch in ("1", "0"):
         monkeypatch.setenv("TREADLE_CPU_KERNELS", switch)
-        llm = LLM(tiny_checkpoints["qwen2"], num_kv_blocks=64)
+        llm = LLM(tiny_checkpoints["qwen2"], block_size=16, num_kv_blocks=64)
         runner = llm.engine.core.executor.worker.runner
         assert runner.native_kernels == (switch == "1")
         assert runner.model.model.layers[0].mlp.native == (switch == "1")

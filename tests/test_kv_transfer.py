@@ -17,6 +17,7 @@ from treadle.config import EngineArgs
 from treadle.models.loader import load_tokenizer
 
 MAX_TOKENS = 12
+BLOCK = 16   # the prompts are a few blocks long (a CPU engine defaults to 128)
 
 
 def kv_config(path: Path, role: str, policy: str = "recompute", **extra) -> dict:
@@ -50,12 +51,12 @@ def prompts(llama) -> list[list[int]]:
 def store(tmp_path_factory, llama, prompts) -> Path:
     """A folder a producer filled with the prompts' KV (it ran each prompt for one token)."""
     path = tmp_path_factory.mktemp("kv-store")
-    producer = LLM(llama, kv_transfer_config=kv_config(path, "kv_producer"))
+    producer = LLM(llama, block_size=BLOCK, kv_transfer_config=kv_config(path, "kv_producer"))
     outs = producer.generate([{"prompt_token_ids": p} for p in prompts], greedy(1), use_tqdm=False)
     assert connector_of(producer).num_saved_blocks > 0
     # What a P/D proxy hands to the decode side: where the KV went, and how much of it.
     assert [o.kv_transfer_params for o in outs] == [
-        {"shared_storage_path": str(path), "num_stored_blocks": len(p) // 16} for p in prompts]
+        {"shared_storage_path": str(path), "num_stored_blocks": len(p) // BLOCK} for p in prompts]
     producer.engine.core.scheduler.kv_cache.assert_no_leaks()
     return path
 
@@ -102,7 +103,7 @@ def test_kv_transfer_config_as_json_and_without_a_connector(tmp_path):
 def test_consumer_loads_the_producers_kv_and_matches_transformers(llama, reference, prompts,
                                                                    store, async_scheduling,
                                                                    load_async):
-    consumer = LLM(llama, async_scheduling=async_scheduling, kv_transfer_config=kv_config(
+    consumer = LLM(llama, block_size=BLOCK, async_scheduling=async_scheduling, kv_transfer_config=kv_config(
         store, "kv_consumer", load_async=load_async, inject_load_delay_s=0.02 * load_async))
     outs = run(consumer, prompts)
     ref = reference(llama)
@@ -120,7 +121,7 @@ def test_consumer_loads_the_producers_kv_and_matches_transformers(llama, referen
 def test_thirty_percent_of_loads_failing_under_recompute_is_exact(llama, reference, prompts,
                                                                   store, async_scheduling,
                                                                   load_async):
-    consumer = LLM(llama, async_scheduling=async_scheduling, kv_transfer_config=kv_config(
+    consumer = LLM(llama, block_size=BLOCK, async_scheduling=async_scheduling, kv_transfer_config=kv_config(
         store, "kv_consumer", inject_load_failure_rate=0.3, inject_seed=3, load_async=load_async))
     outs = run(consumer, prompts * 2)
     ref = reference(llama)
@@ -134,7 +135,7 @@ def test_thirty_percent_of_loads_failing_under_recompute_is_exact(llama, referen
 def test_fail_policy_ends_the_failed_requests_with_an_error(llama, reference, prompts, store,
                                                             load_async):
     # The second block of every load fails: prompts with two or more stored blocks end.
-    consumer = LLM(llama, kv_transfer_config=kv_config(
+    consumer = LLM(llama, block_size=BLOCK, kv_transfer_config=kv_config(
         store, "kv_consumer", policy="fail", inject_failed_block_indices=[1],
         load_async=load_async))
     outs = run(consumer, prompts)
@@ -156,7 +157,7 @@ def test_a_corrupted_block_is_a_load_error_and_is_recomputed(llama, reference, p
         data = bytearray(f.read_bytes())
         data[-7] ^= 0xFF            # inside the tensor data: the checksum must catch it
         f.write_bytes(bytes(data))
-    consumer = LLM(llama, kv_transfer_config=kv_config(damaged, "kv_consumer"))
+    consumer = LLM(llama, block_size=BLOCK, kv_transfer_config=kv_config(damaged, "kv_consumer"))
     outs = run(consumer, prompts)
     ref = reference(llama)
     assert [o.outputs[0].token_ids for o in outs] == [ref.greedy(p, MAX_TOKENS) for p in prompts]
@@ -166,7 +167,7 @@ def test_a_corrupted_block_is_a_load_error_and_is_recomputed(llama, reference, p
 
 def test_kv_of_other_weights_is_never_loaded(llama, reference, prompts, store, tmp_path):
     """After a weight update the stored blocks (of the old weights) no longer match."""
-    consumer = LLM(llama, kv_transfer_config=kv_config(copy_store(store, tmp_path), "kv_both"))
+    consumer = LLM(llama, block_size=BLOCK, kv_transfer_config=kv_config(copy_store(store, tmp_path), "kv_both"))
     weights = consumer.collective_rpc(lambda worker: [
         (n, p.detach().clone()) for n, p in worker.runner.model.named_parameters()
         if n == "model.norm.weight"])[0]
@@ -179,7 +180,7 @@ def test_kv_of_other_weights_is_never_loaded(llama, reference, prompts, store, t
 def test_aborting_during_an_async_load_frees_everything(llama, reference, prompts, store):
     """A stream closed while its KV loads: the blocks stay held until the load is done, then
     everything is free, and the engine serves the next request exactly."""
-    engine = AsyncLLM(llama, kv_transfer_config=kv_config(
+    engine = AsyncLLM(llama, block_size=BLOCK, kv_transfer_config=kv_config(
         store, "kv_consumer", load_async=True, inject_load_delay_s=0.5))
 
     async def body() -> list[int]:

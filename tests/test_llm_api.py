@@ -179,8 +179,8 @@ def test_prompt_too_big_for_the_kv_cache_is_rejected(smollm2_path):
 
 
 def test_reset_prefix_cache(llm):
-    llm.generate("Some prompt long enough to fill a block or two of the cache, surely.",
-                 SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.generate("Some prompt long enough to fill a block or two of the cache, surely. " * 12,
+                 SamplingParams(max_tokens=2), use_tqdm=False)   # two blocks of 128
     assert llm.engine.core.scheduler.kv_cache.pool.hash_to_block
     assert llm.reset_prefix_cache() is True
     assert not llm.engine.core.scheduler.kv_cache.pool.hash_to_block
@@ -194,14 +194,14 @@ def test_max_tokens_none_runs_to_max_model_len(smollm2_path):
 
 
 def test_cache_salt_separates_prefix_caches(llm):
-    text = "A prompt long enough to fill a couple of sixteen-token blocks in the prefix cache, " * 2
+    text = "A prompt long enough to fill a couple of 128-token blocks in the prefix cache, " * 16
     params = SamplingParams(temperature=0, max_tokens=2)
     llm.reset_prefix_cache()
     first = llm.generate({"prompt": text, "cache_salt": "alice"}, params, use_tqdm=False)[0]
     other = llm.generate({"prompt": text, "cache_salt": "bob"}, params, use_tqdm=False)[0]
     same = llm.generate({"prompt": text, "cache_salt": "alice"}, params, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0
-    assert same.num_cached_tokens >= 32
+    assert same.num_cached_tokens >= 2 * llm.engine.core.scheduler.kv_cache.block_size
     assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt": text, "cache_salt": 3}, params, use_tqdm=False)

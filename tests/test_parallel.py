@@ -29,7 +29,7 @@ from treadle.models.loader import load_tokenizer
 
 # A budget of 16 tokens cuts every prompt into several chunks, mixed with running decodes;
 # 14 blocks of 16 cannot hold five requests at full length, so some are preempted.
-TINY_ARGS = {"max_num_batched_tokens": 16, "num_kv_blocks": 14, "max_num_seqs": 5}
+TINY_ARGS = {"max_num_batched_tokens": 16, "block_size": 16, "num_kv_blocks": 14, "max_num_seqs": 5}
 MAX_TOKENS = 24
 
 
@@ -110,7 +110,7 @@ def test_tiny_models_match_transformers(tiny_checkpoints, reference, arch, pp, t
 def test_smollm2_two_stages_match_transformers(smollm2_path, reference, async_scheduling):
     prompts = token_ids(smollm2_path)
     with LLM(smollm2_path, pipeline_parallel_size=2, async_scheduling=async_scheduling,
-             max_num_batched_tokens=24, num_kv_blocks=64) as llm:
+             max_num_batched_tokens=24, block_size=16, num_kv_blocks=64) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16),
                                use_tqdm=False)
     assert_exact(outputs, prompts, reference(smollm2_path), 16)
@@ -121,7 +121,7 @@ def test_smollm2_three_tensor_shards_match_transformers(smollm2_path, reference)
     """SmolLM2's 9 heads and 3 KV heads split three ways (two ways is refused above)."""
     prompts = token_ids(smollm2_path)[:3]
     with LLM(smollm2_path, tensor_parallel_size=3, max_num_batched_tokens=24,
-             num_kv_blocks=64) as llm:
+             block_size=16, num_kv_blocks=64) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(12),
                                use_tqdm=False)
     assert_exact(outputs, prompts, reference(smollm2_path), 12)
@@ -137,7 +137,7 @@ def test_all_chunk_steps_send_no_sampled_tokens(tiny_checkpoints, reference):
     prompts = [tok.encode((TEXTS[3] + " ") * 8)[:300 + 7 * i] for i in range(4)]
     engine = LLMEngine.from_engine_args(EngineArgs(
         path, pipeline_parallel_size=2, async_scheduling=True, max_num_batched_tokens=32,
-        num_kv_blocks=128, enable_prefix_caching=False))   # no hits: every token is computed
+        block_size=16, num_kv_blocks=128, enable_prefix_caching=False))   # no hits: every token is computed
     sampling_steps = all_steps = 0
     schedule = engine.core.scheduler.schedule
 
@@ -181,7 +181,7 @@ def test_pause_keep_with_cache_clear_and_reset_stay_exact(tiny_checkpoints, refe
     prompts = token_ids(path)
     engine = LLMEngine.from_engine_args(EngineArgs(
         path, pipeline_parallel_size=pp, tensor_parallel_size=tp, async_scheduling=True,
-        max_num_batched_tokens=32, num_kv_blocks=64))
+        max_num_batched_tokens=32, block_size=16, num_kv_blocks=64))
     finals = {}
 
     def steps(n: int | None = None) -> None:
@@ -219,7 +219,7 @@ def test_weight_updates_reach_every_shard_or_none(tiny_checkpoints, reference, p
     overrides = [(name, weights[name] + 0.05 * torch.randn(weights[name].shape, generator=gen))
                  for name in ("model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight")]
     prompts = token_ids(path)[:3]
-    with LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, num_kv_blocks=64) as llm:
+    with LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, block_size=16, num_kv_blocks=64) as llm:
         assert llm.update_weights(overrides) == 2
         bad = [("model.layers.1.mlp.up_proj.weight", weights["model.layers.0.mlp.up_proj.weight"]),
                ("model.layers.2.mlp.down_proj.weight", torch.zeros(64, 130))]
@@ -237,7 +237,7 @@ def test_weight_updates_reach_every_shard_or_none(tiny_checkpoints, reference, p
 # -- faults ----------------------------------------------------------------------------------------
 def test_a_killed_worker_ends_every_request_with_an_error(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
-    engine = AsyncLLM(path, pipeline_parallel_size=2, num_kv_blocks=64)
+    engine = AsyncLLM(path, pipeline_parallel_size=2, block_size=16, num_kv_blocks=64)
     pids = [p.pid for p in engine.core.executor.procs]
 
     async def body():
@@ -351,7 +351,7 @@ def fail_the_forward_on_rank_1(worker) -> None:
 
 def test_an_exception_in_a_forward_is_an_engine_error_naming_the_rank(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
-    with LLM(path, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+    with LLM(path, tensor_parallel_size=2, block_size=16, num_kv_blocks=64) as llm:
         llm.collective_rpc(fail_the_forward_on_rank_1)
         with pytest.raises(EngineDeadError, match="worker rank 1 failed a step: "
                                                   "RuntimeError: injected forward failure"):
@@ -385,7 +385,7 @@ def test_workers_exit_when_their_parent_is_killed(tiny_checkpoints, tmp_path):
         import sys, time
         from treadle import LLM
         if __name__ == "__main__":
-            llm = LLM({tiny_checkpoints["llama"]!r}, pipeline_parallel_size=2, num_kv_blocks=32)
+            llm = LLM({tiny_checkpoints["llama"]!r}, pipeline_parallel_size=2, block_size=16, num_kv_blocks=32)
             executor = llm.engine.core.executor
             print(executor._ipc_dir, *(p.pid for p in executor.procs), flush=True)
             time.sleep(600)

@@ -81,7 +81,7 @@ def test_bad_quantization_is_refused(smollm2_path, kwargs, match):
 
 @pytest.fixture(scope="module")
 def int8_llm(smollm2_path):
-    llm = LLM(smollm2_path, quantization="int8", dtype="float32", max_model_len=512, num_kv_blocks=128)
+    llm = LLM(smollm2_path, quantization="int8", dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=128)
     yield llm
     llm.shutdown()
 
@@ -160,7 +160,7 @@ def test_int8_two_stages_equal_transformers_on_the_dequantized_weights(tiny_chec
                                    if w.dim() == 2 and w.shape[1] % INT8_GROUP == 0])
     prompts = [list(range(10, 10 + n)) for n in (7, 40)]
     with LLM(path, quantization="int8", pipeline_parallel_size=2, max_model_len=128,
-             num_kv_blocks=32) as llm:
+             block_size=16, num_kv_blocks=32) as llm:
         first, last = llm.collective_rpc(_tied_rows)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

@@ -17,7 +17,7 @@ from tests.test_correctness import TEXTS
 from treadle import LLM, AsyncLLM, EngineBusyError, RequestOutputKind, SamplingParams
 from treadle.models.loader import iter_hf_weights, load_tokenizer
 
-ENGINE_ARGS = {"num_kv_blocks": 256, "max_num_seqs": 2}
+ENGINE_ARGS = {"block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 2}
 MAX_TOKENS = 40
 LONG_TEXT = TEXTS[3] + " " + TEXTS[2]   # 54 tokens: three whole blocks of 16 can be hits
 DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"
@@ -722,7 +722,7 @@ def test_closing_stream_early_frees_blocks(llama, prompts, async_scheduling):
 def test_llm_rl_controls(llama, reference, long_prompt, original_weights):
     ref = reference(llama)
     expected = ref.greedy(long_prompt, 16)
-    llm = LLM(llama, num_kv_blocks=256)
+    llm = LLM(llama, block_size=16, num_kv_blocks=256)
     kv = llm.engine.core.scheduler.kv_cache
 
     def run():
@@ -764,7 +764,7 @@ def test_llm_rl_controls(llama, reference, long_prompt, original_weights):
 def test_llm_generate_while_asleep_does_not_spin(llama, prompts):
     """Offline generate with the engine asleep can never progress; it must raise instead of
     looping forever. (step() is capped here so that a regression fails instead of hanging.)"""
-    llm = LLM(llama, num_kv_blocks=256)
+    llm = LLM(llama, block_size=16, num_kv_blocks=256)
     llm.sleep(level=1)
     step, calls = llm.engine.step, [0]
 

@@ -30,7 +30,7 @@ from treadle import LLM, SamplingParams
 from treadle.models.loader import load_tokenizer
 
 MODEL = "tiny-llama"
-ENGINE_ARGS = {"max_model_len": 256, "num_kv_blocks": 24}
+ENGINE_ARGS = {"max_model_len": 256, "block_size": 16, "num_kv_blocks": 24}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -47,6 +47,7 @@ class Server:
         cmd = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", model_path,
                "--port", str(self.port), "--served-model-name", MODEL,
                "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+               "--block-size", str(ENGINE_ARGS["block_size"]),
                "--num-kv-blocks", str(ENGINE_ARGS["num_kv_blocks"]), *args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

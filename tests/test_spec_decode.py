@@ -114,7 +114,7 @@ def test_a_request_can_turn_drafts_off(smollm2_spec, smollm2_path, reference):
 
 def test_smollm2_spec_decode_under_preemption_and_async(smollm2_path, reference):
     llm = LLM(smollm2_path, speculative_config=NGRAM, async_scheduling=True,
-              max_num_batched_tokens=32, num_kv_blocks=10, max_num_seqs=4)
+              max_num_batched_tokens=32, block_size=16, num_kv_blocks=10, max_num_seqs=4)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(REPETITIVE)] + prompt_ids(llm)[:3]
     got = run_greedy(llm, prompts, 32)
@@ -192,7 +192,7 @@ def run_reused_slots(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
 def test_reused_slots_start_from_their_own_tokens(tiny_checkpoints, reference, spec, monkeypatch):
     path = tiny_checkpoints["llama"]
     ref = reference(path)
-    prompts, got = run_reused_slots(LLM(path, speculative_config=spec))
+    prompts, got = run_reused_slots(LLM(path, block_size=16, speculative_config=spec))
     assert got == [ref.greedy(p, 24) for p in prompts]
 
     # RequestSlots.add as a buggy runner would write it: the computed prefix is copied, but the
@@ -209,5 +209,5 @@ def test_reused_slots_start_from_their_own_tokens(tiny_checkpoints, reference, s
         return slot
 
     monkeypatch.setattr(RequestSlots, "add", leaky_add)
-    prompts, got = run_reused_slots(LLM(path, speculative_config=spec))
+    prompts, got = run_reused_slots(LLM(path, block_size=16, speculative_config=spec))
     assert got != [ref.greedy(p, 24) for p in prompts]

@@ -128,7 +128,7 @@ SETTINGS = [
 @pytest.mark.parametrize("name,engine_args,evidence", SETTINGS, ids=[s[0] for s in SETTINGS])
 def test_greedy_constrained_output_equals_transformers(name, engine_args, evidence, model_path,
                                                        prompts, reference):
-    with LLM(model_path, max_model_len=256, **{"num_kv_blocks": 64, **engine_args}) as llm:
+    with LLM(model_path, max_model_len=256, **{"block_size": 16, "num_kv_blocks": 64, **engine_args}) as llm:
         _assert_equal_to_transformers(llm, reference, model_path, prompts)
         stats = llm.engine.core.get_stats()
     if evidence == "preemptions":
@@ -138,7 +138,7 @@ def test_greedy_constrained_output_equals_transformers(name, engine_args, eviden
 
 
 def test_guidance_backend_equals_transformers(model_path, prompts, reference):
-    llm = LLM(model_path, max_model_len=256, num_kv_blocks=64, async_scheduling=True,
+    llm = LLM(model_path, max_model_len=256, block_size=16, num_kv_blocks=64, async_scheduling=True,
               structured_outputs_config={"backend": "guidance"})
     _assert_equal_to_transformers(llm, reference, model_path, prompts, backend="guidance")
 
@@ -167,7 +167,7 @@ def _chat(tokenizer, question: str) -> str:
 
 @pytest.fixture(scope="module")
 def sampling_llm(model_path) -> LLM:
-    return LLM(model_path, max_model_len=512, num_kv_blocks=400)
+    return LLM(model_path, max_model_len=512, block_size=16, num_kv_blocks=400)
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
@@ -185,7 +185,7 @@ def test_sampled_outputs_validate_against_the_schema(name, sampling_llm, tokeniz
 
 
 def test_guidance_sampled_outputs_validate(model_path, tokenizer):
-    llm = LLM(model_path, max_model_len=512, num_kv_blocks=200,
+    llm = LLM(model_path, max_model_len=512, block_size=16, num_kv_blocks=200,
               structured_outputs_config={"backend": "guidance"})
     schema = SCHEMAS["enum_and_bounds"]
     params = SamplingParams(n=NUM_SAMPLES, temperature=1.0, seed=3, max_tokens=100,
@@ -200,7 +200,7 @@ def test_guidance_sampled_outputs_validate(model_path, tokenizer):
 
 def test_free_requests_are_untouched_by_constrained_neighbours(model_path, prompts, reference):
     """Free rows in a batch with constrained ones decode exactly as transformers' greedy."""
-    llm = LLM(model_path, max_model_len=256, num_kv_blocks=64)
+    llm = LLM(model_path, max_model_len=256, block_size=16, num_kv_blocks=64)
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     requests, params = [], []
     for i, prompt in enumerate(prompts):
@@ -219,7 +219,7 @@ def test_free_requests_are_untouched_by_constrained_neighbours(model_path, promp
 
 
 def test_output_cut_by_max_tokens_is_length_and_frees_its_blocks(model_path):
-    llm = LLM(model_path, max_model_len=256, num_kv_blocks=64)
+    llm = LLM(model_path, max_model_len=256, block_size=16, num_kv_blocks=64)
     never_ends = StructuredOutputsParams(grammar='root ::= "a" root | "b" root')
     out = llm.generate(["Say a"], SamplingParams(temperature=0, max_tokens=12,
                                                  structured_outputs=never_ends), use_tqdm=False)[0]

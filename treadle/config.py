@@ -214,7 +214,7 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str | None = None
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int | None = None   # None: 128 on CPU, 16 on GPU, as vLLM
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
@@ -263,7 +263,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         else:
             max_model_len = self.max_model_len
-        _check_positive("block_size", self.block_size)
+        block_size = self.block_size if self.block_size is not None else default_block_size(device)
+        _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", self.max_num_seqs)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
@@ -285,7 +286,7 @@ class EngineArgs:
         model_cfg = ModelConfig(model=path, hf_config=hf_config, dtype=dtype,
                                 max_model_len=max_model_len, seed=self.seed,
                                 quantization=self.quantization)
-        cache_cfg = CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+        cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=self.num_kv_blocks,
                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                 enable_prefix_caching=self.enable_prefix_caching)
         sched_cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -359,6 +360,13 @@ def _check_quantization(quantization: str | None, dtype: torch.dtype, device: st
     if not device.startswith("cpu") or dtype != torch.float32:
         raise ValueError(f"quantization='int8' runs on CPU in float32 (the activations and the "
                          f"rest of the model); got device={device!r}, dtype={str(dtype).split('.')[-1]}")
+
+
+def default_block_size(device: str) -> int:
+    """Tokens per KV block when none is given: 128 on CPU, as vLLM-CPU, since decode attention
+    reads each block of a sequence as one run and longer runs keep more of the memory's
+    bandwidth (docs/benchmarks.md); 16 on GPU."""
+    return 128 if device.startswith("cpu") else 16
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

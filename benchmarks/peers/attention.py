@@ -8,7 +8,8 @@ one new query each (a decode step).
 
 Each kernel runs in its own engine's interpreter, one after the other: treadle's in this one,
 vLLM's in its virtual environment (setup.sh) with the environment run.py gives it. Both read
-random K/V from scattered blocks of each engine's default size (16 and 128 tokens), and both
+random K/V from scattered blocks of each engine's default size (16 and 128 tokens; --block
+sets treadle's), and both
 get a prompt as one causal span. vLLM's kernel is the one its server picks for the dtype and
 CPU ("amx" for bf16 on a CPU with AMX tiles, "vec" otherwise). Time nothing else while it runs.
 """
@@ -51,12 +52,12 @@ def scattered_tables(batch: int, num_blocks: int) -> torch.Tensor:
         batch, num_blocks).contiguous()
 
 
-def treadle_call(n: int, dtype: torch.dtype, batch: int) -> Callable[[], None]:
-    """batch 0: one prompt of n tokens; otherwise `batch` decodes at n tokens of context."""
+def treadle_call(n: int, dtype: torch.dtype, batch: int, block: int = 16) -> Callable[[], None]:
+    """batch 0: one prompt of n tokens; otherwise `batch` decodes at n tokens of context, on
+    KV blocks of `block` tokens."""
     from treadle.kernels.cpu import cpu_kernels_available
     if not cpu_kernels_available(torch.device("cpu")):
         raise RuntimeError("treadle's CPU kernels did not build")
-    block = 16
     table = scattered_tables(max(batch, 1), -(-n // block))
     k_cache = torch.randn(2 * table.numel(), block, KV_HEADS, HEAD_DIM).to(dtype)
     v_cache = torch.randn_like(k_cache)
@@ -72,10 +73,9 @@ def treadle_call(n: int, dtype: torch.dtype, batch: int) -> Callable[[], None]:
         out, q, k_cache, v_cache, table, query_start, context_lens, HEAD_DIM ** -0.5)
 
 
-def vllm_call(n: int, dtype: torch.dtype, batch: int) -> Callable[[], None]:
+def vllm_call(n: int, dtype: torch.dtype, batch: int, block: int = 128) -> Callable[[], None]:
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    block = 128   # vLLM-CPU's default
     # The kernel's AMX tiles need the kernel's leave (XTILEDATA), which a server has from
     # oneDNN's first bf16 GEMM; alone, it would stop at SIGILL.
     torch.cpu._init_amx()
@@ -105,7 +105,7 @@ def kv_bytes(dtype: str, tokens: int, batch: int) -> int:
     return 2 * max(batch, 1) * tokens * KV_HEADS * HEAD_DIM * DTYPES[dtype].itemsize
 
 
-def measure(engine: str, lengths: list[int], dtypes: list[str], batch: int) -> list[dict]:
+def measure(engine: str, lengths: list[int], dtypes: list[str], batch: int, block: int) -> list[dict]:
     """A decode step's K/V come from memory, as in an engine stepping 30 layers: the calls
     rotate over copies of the cache that together exceed the last-level cache (1 GiB; one
     machine here has 480 MB of L3). A prompt's were just written, and are timed warm."""
@@ -115,7 +115,7 @@ def measure(engine: str, lengths: list[int], dtypes: list[str], batch: int) -> l
     for d in dtypes:
         for n in lengths:
             copies = -(-(1 << 30) // kv_bytes(d, n, batch)) if batch else 1
-            calls = [make(n, DTYPES[d], batch) for _ in range(copies)]
+            calls = [make(n, DTYPES[d], batch, block) for _ in range(copies)]
             rows.append({"engine": engine, "dtype": d, "tokens": n, "ms": 1e3 * median_call_s(calls)})
     return rows
 
@@ -134,19 +134,22 @@ def main() -> int:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--decode", type=int, default=0, metavar="B",
                         help="time a decode step of B sequences instead of one prompt")
+    parser.add_argument("--block", type=int, default=16,
+                        help="treadle's KV block size in tokens (vLLM's is its default, 128)")
     parser.add_argument("--engine", choices=("treadle", "vllm"),
                         help="time one engine's kernel here and print JSON (how the runner calls it)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     dtypes = args.dtypes.split(",")
     if args.engine:
-        print(json.dumps(measure(args.engine, lengths, dtypes, args.decode)))
+        block = args.block if args.engine == "treadle" else 128
+        print(json.dumps(measure(args.engine, lengths, dtypes, args.decode, block)))
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import run   # the peers' locations and vLLM's environment
 
-    rows = measure("treadle", lengths, dtypes, args.decode)
+    rows = measure("treadle", lengths, dtypes, args.decode, args.block)
     vllm = subprocess.run([str(run.PEERS / "vllm/bin/python"), __file__, "--engine", "vllm",
                            "--lengths", args.lengths, "--dtypes", args.dtypes, "--decode", str(args.decode)],
                           env=run.vllm_env(), capture_output=True, text=True, cwd="/tmp")

@@ -15,7 +15,7 @@ _ENGINE_HELP = {
     "dtype": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)",
     "quantization": "int8: weight-only int8 for batch-1 latency (CPU, float32; opt-in)",
     "max_model_len": "longest prompt + output, in tokens (default: the model's own limit)",
-    "block_size": "tokens per KV-cache block",
+    "block_size": "tokens per KV-cache block (default: 128 on CPU, as vLLM-CPU; 16 on GPU)",
     "num_kv_blocks": "number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "KV-cache budget in bytes (default: sized to this machine)",
     "max_num_seqs": "most requests in one step",

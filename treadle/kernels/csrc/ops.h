@@ -21,6 +21,14 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale);
 
+// paged_decode_amx.cpp: the same on AMX tiles in bf16, where the CPU has them and this process
+// may use them, head_dim is 64 or 128, a KV head has at most 16 query heads and a block holds
+// a multiple of 16 tokens. Called by paged_decode_attention, which checks its inputs first.
+bool decode_tiles_ready(const at::Tensor& q, const at::Tensor& k_cache);
+void decode_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, double scale);
+
 // paged_prefill_amx.cpp: bf16 prefill attention on AMX tiles, where the CPU has them and this
 // process may use them (asked once), head_dim is 64 or 128 and a KV head has at most 48 query
 // heads. Called by paged_prefill_attention, which checks its inputs first.

@@ -355,6 +355,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
               block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table/seq_lens: contiguous int32");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  if (decode_tiles_ready(q, k_cache)) return decode_attention_tiles(out, q, k_cache, v_cache, block_table, seq_lens, scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
   });

@@ -18,17 +18,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "ops.h"
 #include "prefill_items.h"
 #include "vec.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -42,55 +39,9 @@ using treadle::prefill::Item;
 using treadle::prefill::kExpFloor;
 using treadle::prefill::kMasked;
 using treadle::prefill::round_up;
-
-// Every tile 16 rows of 64 bytes: 0-3 accumulate, 4-5 hold A, 6-7 B (see multiply()).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) {
-      bytes_per_row[i] = 64;
-      rows[i] = 16;
-    }
-  }
-};
-
-// e^x for x in [-87, 0] (a little above 0 is fine too): 2^n e^r with n = round(x / ln 2) and
-// |r| <= ln 2 / 2, e^r from its Taylor series to the 6th power (relative error below 2e-7).
-// Inline, where libmvec's vector exp is a call that spills the loop's registers.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);   // ln 2 in two parts, so
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);         // r keeps its low bits
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Word indices for the interleaves below: kPairs[2n] = n, kPairs[2n + 1] = offset + n.
-template <int16_t kOffset>
-struct PairOrder {
-  alignas(64) static constexpr int16_t kIdx[32] = {
-      0, kOffset, 1, kOffset + 1, 2, kOffset + 2, 3, kOffset + 3, 4, kOffset + 4, 5, kOffset + 5,
-      6, kOffset + 6, 7, kOffset + 7, 8, kOffset + 8, 9, kOffset + 9, 10, kOffset + 10, 11, kOffset + 11,
-      12, kOffset + 12, 13, kOffset + 13, 14, kOffset + 14, 15, kOffset + 15};
-};
-
-// Word n of the result holds bf16(lo[n]) in its low half, bf16(hi[n]) in its high half: two
-// rows of P (keys 2r and 2r + 1) as the pairs a tile multiply wants.
-inline __m512i interleave_bf16(__m512 lo, __m512 hi) {
-  return _mm512_permutexvar_epi16(_mm512_load_si512(PairOrder<16>::kIdx), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
-// The same for two bf16 V rows of 32 dims each: words 0-15 of `low` pair dims 0-15, `high` 16-31.
-inline void interleave_rows(__m512i a, __m512i b, __m512i& low, __m512i& high) {
-  const __m512i order = _mm512_load_si512(PairOrder<32>::kIdx);
-  low = _mm512_permutex2var_epi16(a, order, b);
-  high = _mm512_permutex2var_epi16(a, _mm512_add_epi16(order, _mm512_set1_epi16(16)), b);
-}
+using treadle::amx::exp_nonpositive;
+using treadle::amx::interleave_bf16;
+using treadle::amx::interleave_rows;
 
 // One side of a tile product: up to two tiles, `first[i]`, each taking its k-th step
 // `k_step` bytes on, rows `stride` bytes apart.
@@ -399,7 +350,7 @@ void prefill_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Ten
   TORCH_CHECK(max_width <= kItemQueries, "an item holds at most ", kItemQueries, " queries");
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    static const TileConfig config;
+    static const treadle::amx::TileConfig config;   // tiles 0-3 accumulate, 4-5 hold A, 6-7 B (multiply())
     _tile_loadconfig(&config);
     ItemWork<kHalves> work(st, max_width);
     for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) work.run(items[idx]);
@@ -407,22 +358,15 @@ void prefill_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Ten
   });
 }
 
-bool request_tiles() {
-  constexpr long kReqPermission = 0x1023, kTileData = 18;   // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kReqPermission, kTileData) == 0;
-}
-
 }  // namespace
 
 namespace treadle {
 
 bool prefill_tiles_ready(const at::Tensor& q, const at::Tensor& k_cache) {
-  const char* off = std::getenv("TREADLE_AMX");   // "0": the vector kernel (tests, comparisons)
-  if ((off && off[0] == '0') || q.scalar_type() != at::kBFloat16 || (q.size(2) != 64 && q.size(2) != 128) ||
+  if (q.scalar_type() != at::kBFloat16 || (q.size(2) != 64 && q.size(2) != 128) ||
       q.size(1) / k_cache.size(2) > kItemQueries)
     return false;
-  static const bool permitted = request_tiles();   // asked once, and only by a process that would use them
-  return permitted;
+  return treadle::amx::tiles_permitted();   // asked only by a process that would use them
 }
 
 void prefill_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

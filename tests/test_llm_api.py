@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from treadle import LLM, SamplingParams
+from treadle.config import EngineArgs, default_block_size
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +235,12 @@ def test_engine_refuses_an_id_taken_by_another_requests_sample(llm):
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["x"] and len(finals[0].outputs) == 2
     no_leaks(llm)
+
+
+def test_block_size_defaults_to_128_on_cpu_as_vllm(llm, tiny_checkpoints):
+    assert llm.engine.config.cache.block_size == 128 == default_block_size("cpu")
+    assert default_block_size("cuda") == 16
+    assert EngineArgs(model=tiny_checkpoints["llama"], block_size=16).create_config().cache.block_size == 16
+    for bad in (0, -16, 2.5):
+        with pytest.raises(ValueError, match="block_size"):
+            EngineArgs(model=tiny_checkpoints["llama"], block_size=bad).create_config()

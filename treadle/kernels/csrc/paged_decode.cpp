@@ -12,6 +12,7 @@
 // products in one tree of shuffles, and the third keeps each head's accumulator in registers
 // while the tokens go by. At head_dim 64 the per-token reductions, not the bytes,
 // bounded the plain loops (docs/benchmarks.md); they stay for other CPUs and head sizes.
+// In bf16 on a CPU with AMX tiles, paged_decode_amx.cpp takes the call (decode_tiles_ready).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "decode_items.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -298,11 +299,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     vec_dims = static_cast<int>(head_dim / 16);
 #endif
 
-  // A work item is a sequence and a run of its KV heads, handed out dynamically since lengths
-  // vary a lot. All heads at once reads each block as one contiguous run, which the hardware
-  // prefetcher streams; split by head only when there are too few sequences to go round.
   const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
+  const int64_t heads_per_item = treadle::decode::kv_heads_per_item(num_seqs, num_kv_heads, num_kv_heads);
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   const int64_t num_items = num_seqs * items_per_seq;
   const int64_t heads = heads_per_item * c.group;  // query heads per item
@@ -313,11 +311,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     std::vector<int64_t> offs;
     for (int64_t idx = next++; idx < num_items; idx = next++) {
       const int64_t seq = idx / items_per_seq, len = c.lens[seq];
-      offs.resize(len);
-      for (int64_t t0 = 0, b = 0; t0 < len; t0 += c.block_size, ++b) {
-        const int64_t base = c.tables[seq * c.max_blocks + b] * c.c_block;
-        for (int64_t i = 0; i < std::min(c.block_size, len - t0); ++i) offs[t0 + i] = base + i * c.c_tok;
-      }
+      treadle::decode::row_offsets(c.tables + seq * c.max_blocks, len, c.block_size, c.c_block, c.c_tok, offs);
       const Item<scalar_t> it{c, offs.data(), seq, (idx % items_per_seq) * heads_per_item, heads_per_item, len};
       scores.resize(heads * it.len);
       for (int64_t h = 0; h < heads; ++h) {

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include "amx.h"
+#include "decode_items.h"
 #include "ops.h"
 #include "prefill_items.h"   // the softmax's constants
 
@@ -108,7 +109,7 @@ class SeqWork {
     kv0_ = kv0;
     kv_heads_ = kv_heads;
     lanes_ = kv_heads * st_.group;
-    offsets(seq);
+    treadle::decode::row_offsets(st_.tables + seq * st_.max_blocks, len_, st_.block_size, st_.c_block, st_.c_tok, offs_);
     queries(seq);
     scores();
     softmax();
@@ -127,16 +128,6 @@ class SeqWork {
   // Heads per register tile of accumulate_v: its accumulators and a token pair's V fit in 32
   // vector registers.
   static constexpr int kHeadTile = kHalves == 2 ? 4 : 2;
-
-  // offs_[t]: token t's row in the caches (KV head 0), from the block table once per item.
-  void offsets(int64_t seq) {
-    const int32_t* table = st_.tables + seq * st_.max_blocks;
-    offs_.resize(len_);
-    for (int64_t t0 = 0, b = 0; t0 < len_; t0 += st_.block_size, ++b) {
-      const int64_t base = table[b] * st_.c_block;
-      for (int64_t i = 0; i < std::min(st_.block_size, len_ - t0); ++i) offs_[t0 + i] = base + i * st_.c_tok;
-    }
-  }
 
   // B tiles [KV head][step][d / 2][lane]: lane j holds query head kv0 * group + j's dims
   // 32 * step + 2r, 2r + 1 in row r (a pair is one 32-bit word of the query as stored) in its
@@ -216,10 +207,9 @@ void decode_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tens
                 k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
   for (int64_t s = 0; s < num_seqs; ++s)
     TORCH_CHECK(st.lens[s] <= st.max_blocks * st.block_size, "sequence ", s, " does not fit its block table");
-  // As in the vector kernel: all of a sequence's KV heads per item (as many as fill 16 lanes),
-  // one per item when there are too few sequences to go round.
+  // As many of a sequence's KV heads per item as fill 16 lanes.
   const int64_t threads = at::get_num_threads();
-  const int64_t per_item = num_seqs >= 2 * threads ? std::max<int64_t>(1, kLanes / group) : 1;
+  const int64_t per_item = treadle::decode::kv_heads_per_item(num_seqs, num_kv_heads, std::max<int64_t>(1, kLanes / group));
   const int64_t items_per_seq = (num_kv_heads + per_item - 1) / per_item;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {

@@ -434,10 +434,14 @@ def test_fused_ops_match_the_torch_expressions(dtype, rows):
     torch.manual_seed(rows)
     tol = FUSED_TOLERANCE[dtype]
 
-    gate_up = torch.randn(rows, 2 * 96).mul(4).to(dtype)
-    gate, up = gate_up.split(96, dim=-1)
+    # 100 columns: six 16-lane vectors and a scalar tail; gates out to where exp overflows
+    gate_up = torch.randn(rows, 2 * 100).mul(4).to(dtype)
+    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -87.5, -0.0, 0.0, 87.5, 90.0, 200.0])
+    gate, up = gate_up.split(100, dim=-1)
     torch.testing.assert_close(torch.ops.treadle.silu_and_mul(gate_up),
                                torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol)
+    gate_up[0, 1] = float("nan")
+    assert torch.ops.treadle.silu_and_mul(gate_up)[0, 1].isnan()
 
     norm = RMSNorm(64, 1e-5).to(dtype)
     with torch.no_grad():
@@ -446,6 +450,15 @@ def test_fused_ops_match_the_torch_expressions(dtype, rows):
               torch.randn(rows, 7, 64).to(dtype)[:, 1:5]):      # q heads inside a qkv row
         torch.testing.assert_close(torch.ops.treadle.rms_norm(x, norm.weight, norm.eps), norm(x),
                                    rtol=tol, atol=tol)
+
+    # The residual add before a norm: the same bits as the add and the norm apart, which the
+    # decode stack's output must match.
+    out = torch.randn(rows, 64).to(dtype)
+    residual = torch.randn(rows, 2, 64).to(dtype)[:, 0]   # rows apart, as a strided view
+    total, normed = torch.ops.treadle.add_rms_norm(out, residual, norm.weight, norm.eps)
+    assert torch.equal(total, out + residual)
+    assert torch.equal(normed, torch.ops.treadle.rms_norm(out + residual, norm.weight, norm.eps))
+    torch.testing.assert_close(normed, norm(out + residual), rtol=tol, atol=tol)
 
     qkv = torch.randn(rows, 7, 64).to(dtype)
     cos, sin = torch.randn(rows, 1, 64).to(dtype), torch.randn(rows, 1, 64).to(dtype)
@@ -459,11 +472,34 @@ def test_fused_ops_match_the_torch_expressions(dtype, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_what_index_copy_stores(dtype):
+    """Each token's K and V into its slot, read from a qkv row as the model hands them over;
+    every other slot untouched."""
+    torch.manual_seed(0)
+    cache = torch.randn(2, 6, 16, 3, 64).to(dtype)
+    qkv = torch.randn(20, 15 * 64).to(dtype)
+    k, v = qkv[:, 9 * 64:12 * 64].view(20, 3, 64), qkv[:, 12 * 64:].view(20, 3, 64)
+    slots = torch.randperm(6 * 16)[:20]
+    expected = cache.clone()
+    expected[0].view(-1, 3, 64).index_copy_(0, slots, k)
+    expected[1].view(-1, 3, 64).index_copy_(0, slots, v)
+    torch.ops.treadle.write_kv_(cache, k, v, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.treadle.write_kv_(cache, k[:1], v[:1], torch.tensor([6 * 16]))
+    with pytest.raises(RuntimeError, match="one int64 slot per token"):
+        torch.ops.treadle.write_kv_(cache, k, v, slots.int())
+
+
+@needs_native
 def test_fused_ops_refuse_bad_inputs():
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         torch.ops.treadle.silu_and_mul(torch.zeros(2, 5))
     with pytest.raises(RuntimeError, match="weight"):
         torch.ops.treadle.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="add_rms_norm"):
+        torch.ops.treadle.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="cos/sin"):
         torch.ops.treadle.rope_(torch.zeros(2, 3, 8), torch.zeros(1, 8), torch.zeros(1, 8))
 

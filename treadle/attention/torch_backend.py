@@ -92,6 +92,7 @@ class AttentionMetadata:
     native_prefill: NativePrefill | None  # prefill chunks for the C++ kernel, or else...
     prefills: list[PrefillSpan]           # ...prefill chunks for the torch path
     gather_buffer: GatherBuffer
+    native_kernels: bool = False          # the C++ ops (treadle/kernels) write the new K/V
 
 
 def build_metadata(
@@ -137,7 +138,7 @@ def build_metadata(
     else:
         prefills = _prefill_spans(num_decodes, q_lens, ctx, table, block_size, device)
     return AttentionMetadata(slot_mapping, num_decodes, native_decode, decode_chunks, native_prefill,
-                             prefills, gather_buffer)
+                             prefills, gather_buffer, native_kernels)
 
 
 def _prefill_spans(start: int, query_lens: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray,
@@ -190,11 +191,14 @@ class TorchAttention:
                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_blocks, block_size = k_cache.shape[:2]
-        flat_k = k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if meta.native_kernels:
+            torch.ops.treadle.write_kv_(kv_cache, k, v, meta.slot_mapping)
+        else:
+            num_blocks, block_size = k_cache.shape[:2]
+            flat_k = k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+            flat_v = v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # q may be a strided view
         if meta.native_decode is not None:

@@ -39,6 +39,13 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it): the residual add before a norm, in one pass natively."""
+        if self.native:
+            return torch.ops.treadle.add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return h, self.forward(h)
+
 
 def rope_parameters(config) -> dict:
     """RoPE settings from either transformers 5's `rope_parameters` or the older top-level fields."""
@@ -171,9 +178,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, ctx)
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """(x, residual) -> (this layer's output, the residual stream before it is added):
+        as in vLLM, each residual add happens in the norm after it (add_and_norm). The first
+        layer takes the embeddings as x with no residual."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            residual, x = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        residual, x = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -240,9 +255,13 @@ class LlamaForCausalLM(nn.Module):
         if self.decode_stack is not None and decode_stack.serves(meta, h.shape[0]):
             h = decode_stack.forward(self.decode_stack, h, cos, sin, kv_caches, meta)
         else:
-            first = self.model.layer_range.start
+            first, residual = self.model.layer_range.start, None
             for i in self.model.layer_range:
-                h = self.model.layers[i](h, cos, sin, kv_caches[i - first], meta)
+                h, residual = self.model.layers[i](h, residual, cos, sin, kv_caches[i - first], meta)
+            if residual is not None:
+                if self.ctx.is_last_stage:
+                    return self.model.norm.add_and_norm(h, residual)[1]
+                h = h + residual
         return self.model.norm(h) if self.ctx.is_last_stage else h
 
     def _head_weight(self) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // What both AMX tile kernels share (paged_prefill_amx.cpp and paged_decode_amx.cpp): the tile
-// configuration, the permission to use the tiles, an inline exp, and the interleaves that
+// configuration, the permission to use the tiles, and the interleaves that
 // turn two rows of bf16 (or fp32 rounded to bf16) into the pairs a bf16 product wants.
 #pragma once
 
@@ -37,19 +37,6 @@ inline bool tiles_permitted() {
   constexpr long kReqPermission = 0x1023, kTileData = 18;   // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
   static const bool permitted = syscall(SYS_arch_prctl, kReqPermission, kTileData) == 0;
   return permitted;
-}
-
-// e^x for x in [-87, 0] (a little above 0 is fine too): 2^n e^r with n = round(x / ln 2) and
-// |r| <= ln 2 / 2, e^r from its Taylor series to the 6th power (relative error below 2e-7).
-// Inline, where libmvec's vector exp is a call that spills the loop's registers.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);   // ln 2 in two parts, so
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);         // r keeps its low bits
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Word indices for the interleaves below: kIdx[2n] = n, kIdx[2n + 1] = offset + n.

@@ -13,7 +13,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -57,21 +57,6 @@ struct StackLayer {
   std::vector<StackLinear> linears;            // qkv, o, gate_up, down
 };
 
-// Each token's new K and V ([T, kv_heads, head_dim], heads side by side) into its cache slot,
-// as Python's index_copy_ does. The cache is [2, blocks, block_size, kv_heads, head_dim].
-void write_kv(const at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
-  const int64_t elem = k.element_size(), block_size = cache.size(2);
-  const int64_t bytes = k.size(1) * k.size(2) * elem;
-  char* base = static_cast<char*>(cache.data_ptr());
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < k.size(0); ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < cache.size(1) * block_size, "cache slot ", slots[t], " out of range");
-    const int64_t at = ((slots[t] / block_size) * cache.stride(1) + (slots[t] % block_size) * cache.stride(2)) * elem;
-    std::memcpy(base + at, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * elem, bytes);
-    std::memcpy(base + at + cache.stride(0) * elem, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * elem, bytes);
-  }
-}
-
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
@@ -104,13 +89,22 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                 slot_mapping.numel() == h.size(0), "slot_mapping: one int64 slot per token");
     const int64_t t = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    // As the Python layers: each layer's output x and the residual stream apart, added by the
+    // next norm (add_rms_norm).
+    at::Tensor x = h, residual, normed;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& layer = layers_[i];
       const at::Tensor& cache = kv_caches[i];
       TORCH_CHECK(cache.dim() == 5 && cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_ &&
                   cache.stride(3) == head_dim_ && cache.stride(4) == 1 && cache.scalar_type() == h.scalar_type(),
                   "KV cache [2, blocks, block_size, kv_heads, head_dim], each slot's heads side by side");
-      const at::Tensor qkv = layer.linears[0](treadle::rms_norm(h, layer.input_norm, eps_), limits_);
+      if (residual.defined()) {
+        std::tie(residual, normed) = treadle::add_rms_norm(x, residual, layer.input_norm, eps_);
+      } else {
+        residual = x;
+        normed = treadle::rms_norm(x, layer.input_norm, eps_);
+      }
+      const at::Tensor qkv = layer.linears[0](normed, limits_);
       at::Tensor q, k;
       if (!layer.q_norm.has_value()) {   // q and k side by side: one RoPE pass over both
         at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads_ + num_kv_heads_, head_dim_});
@@ -123,14 +117,14 @@ class DecodeStack : public torch::CustomClassHolder {
         treadle::rope_(q, cos, sin);
         treadle::rope_(k, cos, sin);
       }
-      write_kv(cache, k, qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_}), slot_mapping);
+      treadle::write_kv_(cache, k, qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_}), slot_mapping);
       at::Tensor attn = at::empty({t, num_heads_, head_dim_}, h.options());
       treadle::paged_decode_attention(attn, q, cache.select(0, 0), cache.select(0, 1), block_table, seq_lens, scale_);
-      h = h + layer.linears[1](attn.view({t, q_size}), limits_);
-      const at::Tensor gate_up = layer.linears[2](treadle::rms_norm(h, layer.post_attention_norm, eps_), limits_);
-      h = h + layer.linears[3](treadle::silu_and_mul(gate_up), limits_);
+      std::tie(residual, normed) =
+          treadle::add_rms_norm(layer.linears[1](attn.view({t, q_size}), limits_), residual, layer.post_attention_norm, eps_);
+      x = layer.linears[3](treadle::silu_and_mul(layer.linears[2](normed, limits_)), limits_);
     }
-    return h;
+    return residual.defined() ? x + residual : x;
   }
 
  private:

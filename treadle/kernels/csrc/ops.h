@@ -14,7 +14,11 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::
 // fused_ops.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// (x + residual, RMSNorm(x + residual)), the sum rounded to the dtype first.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+void write_kv_(at::Tensor cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 
 // paged_decode.cpp: one query token per sequence against its paged K/V.
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,

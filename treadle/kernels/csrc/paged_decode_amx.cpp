@@ -21,6 +21,7 @@
 #include "decode_items.h"
 #include "ops.h"
 #include "prefill_items.h"   // the softmax's constants
+#include "vec.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <algorithm>
@@ -177,7 +178,7 @@ class SeqWork {
     const __m512 scale = _mm512_set1_ps(st_.scale), floor = _mm512_set1_ps(kExpFloor);
     auto p = [&](int64_t t) {   // max() also turns a NaN into the floor
       const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t * kLanes), mx), scale);
-      return treadle::amx::exp_nonpositive(_mm512_max_ps(x, floor));
+      return treadle::vec::exp_nonpositive(_mm512_max_ps(x, floor));
     };
     pairs_.resize((len_ + 1) / 2 * kLanes);
     __m512 sum = _mm512_setzero_ps();

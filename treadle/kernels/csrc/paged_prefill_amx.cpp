@@ -39,7 +39,7 @@ using treadle::prefill::Item;
 using treadle::prefill::kExpFloor;
 using treadle::prefill::kMasked;
 using treadle::prefill::round_up;
-using treadle::amx::exp_nonpositive;
+using treadle::vec::exp_nonpositive;
 using treadle::amx::interleave_bf16;
 using treadle::amx::interleave_rows;
 
@@ -249,11 +249,16 @@ class ItemWork {
       auto seen = [&](int64_t r) {
         return _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(t0 + r)), lane_pos);
       };
-      __m512 raw_max = _mm512_set1_ps(kMasked);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512 v = _mm512_loadu_ps(sb + r * width_);
-        raw_max = masked ? _mm512_mask_max_ps(raw_max, seen(r), raw_max, v) : _mm512_max_ps(raw_max, v);
-      }
+      // Four running maxima (rows is a multiple of 16): one would chain every row's max to
+      // the one before.
+      __m512 maxima[4];
+      for (__m512& m : maxima) m = _mm512_set1_ps(kMasked);
+      for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t i = 0; i < 4; ++i) {
+          const __m512 v = _mm512_loadu_ps(sb + (r + i) * width_);
+          maxima[i] = masked ? _mm512_mask_max_ps(maxima[i], seen(r + i), maxima[i], v) : _mm512_max_ps(maxima[i], v);
+        }
+      const __m512 raw_max = _mm512_max_ps(_mm512_max_ps(maxima[0], maxima[1]), _mm512_max_ps(maxima[2], maxima[3]));
       const __m512 old_max = _mm512_loadu_ps(m_ + b * kLanes);
       const __m512 mx = _mm512_max_ps(old_max, _mm512_mul_ps(raw_max, scale));
       const __m512 alpha = exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, mx), floor));

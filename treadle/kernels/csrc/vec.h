@@ -1,6 +1,6 @@
-// AVX-512 helpers for the kernels: loads as fp32 and a 16 x 16 transpose (compiled only where
-// the CPU has AVX-512), whether bf16 products can come from pairs, and a transpose of any
-// shape.
+// AVX-512 helpers for the kernels: loads as fp32, an inline exp and a 16 x 16 transpose
+// (compiled only where the CPU has AVX-512), whether bf16 products can come from pairs, and a
+// transpose of any shape.
 #pragma once
 
 namespace treadle::vec {
@@ -18,6 +18,7 @@ constexpr bool kPairedBf16 = false;
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 
 namespace treadle::vec {
 
@@ -29,6 +30,50 @@ inline __m512 load16(const c10::BFloat16* p) {   // bf16 is fp32's top half
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 fp32 values as bf16, rounded to nearest even as torch's casts round.
+inline __m256i bf16_words(__m512 x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(top);
+#endif
+}
+inline __m256i half_words(__m512 x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// Stores 16 fp32 values in the tensor's dtype.
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_words(x)); }
+inline void store16(c10::Half* p, __m512 x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half_words(x)); }
+
+// x rounded to T and back: the value a T tensor would hold.
+template <typename T>
+inline __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_words(x)), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtph_ps(half_words(x));
+  } else {
+    return x;
+  }
+}
+
+// e^x for x in [-87, 0] (a little above 0 is fine too): 2^n e^r with n = round(x / ln 2) and
+// |r| <= ln 2 / 2, e^r from its Taylor series to the 6th power (relative error below 2e-7).
+// Inline, where libmvec's vector exp is a call that spills the loop's registers.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);   // ln 2 in two parts, so
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);         // r keeps its low bits
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
 }
 
 // Lane indices for _mm512_permutex2var_ps(a, idx, b) that swap bit `bit` of the row index with

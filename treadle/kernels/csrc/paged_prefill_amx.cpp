@@ -39,7 +39,9 @@ using treadle::prefill::Item;
 using treadle::prefill::kExpFloor;
 using treadle::prefill::kMasked;
 using treadle::prefill::round_up;
-using treadle::vec::exp_nonpositive;
+constexpr float kLog2e = 1.44269504f;
+constexpr float kExp2Floor = kExpFloor * kLog2e;   // the vector kernel's floor, in log2 units
+using treadle::vec::exp2_nonpositive;
 using treadle::amx::interleave_bf16;
 using treadle::amx::interleave_rows;
 
@@ -241,7 +243,8 @@ class ItemWork {
   // interleaved into words [pair][query], then transposed.
   void softmax(int64_t c) {
     const int64_t t0 = c * kChunk, rows = tiles_of(c) * kLanes, pair_blocks = (rows + 31) / 32;
-    const __m512 scale = _mm512_set1_ps(st_.scale), floor = _mm512_set1_ps(kExpFloor);
+    // In log2 units: the scale holds log2(e), and m_ keeps each lane's running max as such.
+    const __m512 scale = _mm512_set1_ps(st_.scale * kLog2e), floor = _mm512_set1_ps(kExp2Floor);
     for (int64_t b = 0; b < blocks_; ++b) {
       const float* sb = s_[c & 1] + b * kLanes;
       const __m512i lane_pos = _mm512_loadu_si512(pos_ + b * kLanes);
@@ -261,12 +264,12 @@ class ItemWork {
       const __m512 raw_max = _mm512_max_ps(_mm512_max_ps(maxima[0], maxima[1]), _mm512_max_ps(maxima[2], maxima[3]));
       const __m512 old_max = _mm512_loadu_ps(m_ + b * kLanes);
       const __m512 mx = _mm512_max_ps(old_max, _mm512_mul_ps(raw_max, scale));
-      const __m512 alpha = exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, mx), floor));
+      const __m512 alpha = exp2_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, mx), floor));
       _mm512_storeu_ps(alpha_[c & 1] + b * kLanes, alpha);
       _mm512_storeu_ps(m_ + b * kLanes, mx);
       auto probability = [&](int64_t r) {
-        const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sb + r * width_), scale), mx);
-        const __m512 e = exp_nonpositive(_mm512_max_ps(x, floor));   // max() also turns a NaN into the floor
+        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(sb + r * width_), scale, mx);
+        const __m512 e = exp2_nonpositive(_mm512_max_ps(x, floor));   // max() also turns a NaN into the floor
         return masked ? _mm512_maskz_mov_ps(seen(r), e) : e;
       };
       __m512 sum = _mm512_setzero_ps();

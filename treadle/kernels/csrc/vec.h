@@ -76,6 +76,19 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for x in [-125, 0] (a little above 0 is fine too): 2^n 2^r with n = round(x) and
+// |r| <= 1/2, 2^r from the Taylor series of e^(r ln 2) to the 6th power (relative error below
+// 2e-7). For a softmax whose scale already holds log2(e): one FMA makes its argument.
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  for (const float c : {1.3333558146428443e-3f, 9.618129107628477e-3f, 5.550410866482158e-2f,
+                        0.2402265069591007f, 0.6931471805599453f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Lane indices for _mm512_permutex2var_ps(a, idx, b) that swap bit `bit` of the row index with
 // the same bit of the column index, for rows i (bit clear, kLow) and i + bit (kHigh): 0-15 pick
 // from row i, 16-31 from row i + bit.

@@ -11,10 +11,13 @@
 // - an online softmax, lane by lane over the queries, as in the vector kernel; P is rounded to
 //   bf16 for the product with V, as torch's flash attention does for bf16 (the row sums stay
 //   fp32);
-// - out, queries x head_dim: A = P as [query][key pairs] (P interleaved by key pairs, then
-//   transposed as 32-bit words), B = V interleaved by key pairs [key / 2][d] (bf16 pairs).
+// - out, transposed (head_dim x queries): A = V^T [d][key], whose rows hold consecutive keys,
+//   so key pairs come as a bf16 product wants them; B = P as [key pair][query], the softmax's
+//   two rows of a pair interleaved, stored as they come. Each thread builds V^T once for a
+//   run of items of one span and KV head; out is transposed back once per item. (P as the A side would need a transpose of P per item and chunk, and V packed per
+//   item and chunk: 7-8% more time at 512 tokens, docs/benchmarks.md.)
 // Keys past the span's end (stale slots of its last block, possibly NaN) get p = 0 by a select
-// and their V rows are read as zeros.
+// and are zeros in V^T.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -92,13 +95,65 @@ struct Step {
   c10::BFloat16* out;
   const int32_t *tables, *starts, *ctx_lens;
   float scale;
+
+  int64_t keys(int64_t span) const { return ctx_lens[span] + starts[span + 1] - starts[span]; }
+  int64_t row_of(int64_t span, int64_t kv_head, int64_t t) const {   // token t's cache row
+    return tables[span * max_blocks + t / block_size] * c_block + (t % block_size) * c_tok + kv_head * c_head;
+  }
+};
+
+// V^T of one span's KV head: [d][key] as bf16 words of two keys, each row padded with zeros
+// to whole chunks (kChunk / 2 words a chunk). Each thread keeps the last one it built: items
+// of one span and KV head come one after another, so a thread builds each about once.
+template <int64_t kDim>
+class TransposedV {
+ public:
+  // The rows for (span, kv_head), built unless they are the last ones built.
+  const uint32_t* rows(const Step& st, int64_t span, int64_t kv_head) {
+    if (span != span_ || kv_head != kv_head_) {
+      span_ = span;
+      kv_head_ = kv_head;
+      words_per_row_ = round_up(st.keys(span), kChunk) / 2;
+      if (words_.numel() < kDim * words_per_row_) words_ = at::empty({kDim * words_per_row_}, at::kInt);
+      pack(st);
+    }
+    return reinterpret_cast<const uint32_t*>(words_.data_ptr<int32_t>());
+  }
+  int64_t words_per_row() const { return words_per_row_; }
+
+ private:
+  // 16 key pairs at a time: interleaved into [pair][d] words, then transposed into place.
+  void pack(const Step& st) {
+    alignas(64) uint32_t block[16 * kDim];
+    const int64_t keys = st.keys(span_);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(words_.data_ptr<int32_t>());
+    for (int64_t w0 = 0; w0 < words_per_row_; w0 += 16) {
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t t = 2 * (w0 + r);
+        const c10::BFloat16* v0 = t < keys ? st.v + st.row_of(span_, kv_head_, t) : nullptr;
+        const c10::BFloat16* v1 = t + 1 < keys ? st.v + st.row_of(span_, kv_head_, t + 1) : nullptr;
+        for (int64_t d = 0; d < kDim; d += 32) {
+          const __m512i a = v0 ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
+          const __m512i b = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+          __m512i low, high;
+          interleave_rows(a, b, low, high);
+          _mm512_store_si512(block + r * kDim + d, low);
+          _mm512_store_si512(block + r * kDim + d + 16, high);
+        }
+      }
+      treadle::vec::transpose(reinterpret_cast<const float*>(block), kDim, reinterpret_cast<float*>(dst + w0),
+                              words_per_row_, 16, kDim);
+    }
+  }
+
+  int64_t span_ = -1, kv_head_ = -1, words_per_row_ = 0;
+  at::Tensor words_ = at::empty({0}, at::kInt);
 };
 
 // One thread's work on items, chunk by chunk, in stages: chunk c + 1's scores are issued
-// before chunk c's softmax reads its own, and other vector work sits between P's stores and
-// the tile loads of P V (a tile load of data vector stores just wrote waits for them to
-// drain). Scores and V's pairs are double-buffered for it. On the Xeon measured, this order
-// ran level with the plain one (docs/benchmarks.md); it leaves room for the overlap.
+// before chunk c's softmax reads its own, and the previous chunk's fold sits between P's
+// stores and the tile loads of P V (a tile load of data vector stores just wrote waits for
+// them to drain). Scores are double-buffered for it.
 template <int kHalves>
 class ItemWork {
  public:
@@ -106,27 +161,23 @@ class ItemWork {
 
   ItemWork(const Step& st, int64_t max_width)
       : st_(st), max_width_(max_width),
-        scratch_(at::zeros({max_width * kHalfDim * 2 + 2 * kChunk * max_width + kMaxBlocks * (kChunk / 32) * 256 +
-                            kChunk * kDim + 2 * max_width * kDim + kChunk * kHalfDim + 256 + 5 * max_width},
+        scratch_(at::zeros({max_width * kHalfDim * 2 + 2 * kChunk * max_width + kMaxBlocks * (kChunk / 2) * kLanes +
+                            2 * max_width * kDim + kChunk * kHalfDim + 5 * max_width},
                            at::kFloat)) {
     // Per thread, 64-byte aligned: queries as rows, then as pairs [d / 2][lane]; two chunks'
-    // scores [key][lane]; P as A tiles [block][key-pair block][16 queries][16 pairs]; two
-    // chunks' V as pairs [key / 2][d]; the output [lane][d] and a chunk's P V; a chunk's K
-    // tiles where they are not read in place; a 16 x 16 word staging square; per lane the
-    // running max and sum, two chunks' rescales, and the position.
+    // scores [key][lane]; P as B tiles [block][key pair][16 queries]; the output [d][lane] and
+    // a chunk's P V; a chunk's K tiles where they are not read in place; per lane the running
+    // max and sum, two chunks' rescales, and the position.
     float* f = scratch_.data_ptr<float>();
     q_rows_ = f;
     qt_ = reinterpret_cast<uint32_t*>(q_rows_ + max_width * kHalfDim);
     s_[0] = reinterpret_cast<float*>(qt_ + max_width * kHalfDim);
     s_[1] = s_[0] + kChunk * max_width;
-    pa_ = reinterpret_cast<uint32_t*>(s_[1] + kChunk * max_width);
-    vp_[0] = pa_ + kMaxBlocks * (kChunk / 32) * 256;
-    vp_[1] = vp_[0] + (kChunk / 2) * kDim;
-    acc_ = reinterpret_cast<float*>(vp_[1] + (kChunk / 2) * kDim);
+    pb_ = reinterpret_cast<uint32_t*>(s_[1] + kChunk * max_width);
+    acc_ = reinterpret_cast<float*>(pb_ + kMaxBlocks * (kChunk / 2) * kLanes);
     pv_ = acc_ + max_width * kDim;
     k_tile_ = reinterpret_cast<c10::BFloat16*>(pv_ + max_width * kDim);
-    square_ = reinterpret_cast<uint32_t*>(k_tile_ + kChunk * kDim);
-    m_ = reinterpret_cast<float*>(square_ + 256);
+    m_ = reinterpret_cast<float*>(k_tile_ + kChunk * kDim);
     l_ = m_ + max_width;
     alpha_[0] = l_ + max_width;
     alpha_[1] = alpha_[0] + max_width;
@@ -137,11 +188,9 @@ class ItemWork {
     start(it);
     const int64_t chunks = (end_ + kChunk - 1) / kChunk;
     scores(0);
-    pack_v(0);
     for (int64_t c = 0; c < chunks; ++c) {
       if (c + 1 < chunks) scores(c + 1);
       softmax(c);
-      if (c + 1 < chunks) pack_v(c + 1);
       if (c > 0) fold(c - 1);
       product(c);
     }
@@ -151,16 +200,16 @@ class ItemWork {
 
  private:
   int64_t tiles_of(int64_t c) const { return (std::min(kChunk, end_ - c * kChunk) + kLanes - 1) / kLanes; }
-  int64_t row_of(int64_t t) const {   // token t's row of this KV head in the cache
-    return table_[t / st_.block_size] * st_.c_block + (t % st_.block_size) * st_.c_tok + kv_head_ * st_.c_head;
-  }
+  int64_t row_of(int64_t t) const { return st_.row_of(span_, kv_head_, t); }
 
   // The item's queries as bf16 pairs [d / 2][lane] (lane i: row row0 + i / group, head
   // first_head + i % group; padding lanes are zeros at position -1, computed and never written).
   void start(const Item& it) {
     const int64_t ctx = st_.ctx_lens[it.span];
-    table_ = st_.tables + it.span * st_.max_blocks;
+    span_ = it.span;
     kv_head_ = it.kv_head;
+    vt_ = transposed_v_.rows(st_, it.span, it.kv_head);
+    vt_words_ = transposed_v_.words_per_row();
     first_row_ = st_.starts[it.span] + it.row0;
     first_head_ = it.kv_head * st_.group;
     lanes_ = (it.row1 - it.row0) * st_.group;
@@ -217,30 +266,11 @@ class ItemWork {
       }
   }
 
-  // Chunk c's V as pairs [key / 2][d]; keys past the end (or past the chunk's tiles) are zeros.
-  void pack_v(int64_t c) {
-    const int64_t t0 = c * kChunk;
-    uint32_t* vp = vp_[c & 1];
-    for (int64_t r = 0; r < (tiles_of(c) + 1) / 2 * kLanes; ++r) {
-      const int64_t t = t0 + 2 * r;
-      const c10::BFloat16* v0 = t < end_ ? st_.v + row_of(t) : nullptr;
-      const c10::BFloat16* v1 = t + 1 < end_ ? st_.v + row_of(t + 1) : nullptr;
-      for (int64_t d = 0; d < kDim; d += 32) {
-        const __m512i a = v0 ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
-        const __m512i b = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
-        __m512i low, high;
-        interleave_rows(a, b, low, high);
-        _mm512_storeu_si512(vp + r * kDim + d, low);
-        _mm512_storeu_si512(vp + r * kDim + d + 16, high);
-      }
-    }
-  }
-
   // Online softmax, lane by lane, over chunk c's scaled scores s * scale. Keys a lane may not
   // see (later positions, or stale slots past the end, whatever they hold) are left out of
   // its max by a mask and get p = 0 by a select; a chunk every lane of the block sees in full
-  // skips both. P goes out as the A tiles of the product with V: rows of keys 2r and 2r + 1
-  // interleaved into words [pair][query], then transposed.
+  // skips both. P goes out as the B tiles of the product with V: rows of keys 2r and 2r + 1
+  // interleaved into words, row r of [pair][query].
   void softmax(int64_t c) {
     const int64_t t0 = c * kChunk, rows = tiles_of(c) * kLanes, pair_blocks = (rows + 31) / 32;
     // In log2 units: the scale holds log2(e), and m_ keeps each lane's running max as such.
@@ -273,71 +303,71 @@ class ItemWork {
         return masked ? _mm512_maskz_mov_ps(seen(r), e) : e;
       };
       __m512 sum = _mm512_setzero_ps();
-      uint32_t* pa = pa_ + b * (kChunk / 32) * 256;
-      for (int64_t pb = 0; pb < pair_blocks; ++pb) {
-        for (int64_t r = 0; r < kLanes; ++r) {
-          const int64_t key = pb * 32 + 2 * r;
-          __m512 p0 = _mm512_setzero_ps(), p1 = p0;
-          if (key < rows) {   // rows is even: key + 1 is a row too
-            p0 = probability(key);
-            p1 = probability(key + 1);
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-          }
-          _mm512_storeu_si512(square_ + r * kLanes, interleave_bf16(p0, p1));
+      uint32_t* pb = pb_ + b * (kChunk / 2) * kLanes;
+      for (int64_t pair = 0; pair < pair_blocks * kLanes; ++pair) {
+        __m512 p0 = _mm512_setzero_ps(), p1 = p0;
+        if (2 * pair < rows) {   // rows is even: 2 pair + 1 is a row too
+          p0 = probability(2 * pair);
+          p1 = probability(2 * pair + 1);
+          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
         }
-        treadle::vec::transpose16(reinterpret_cast<const float*>(square_), kLanes,
-                                  reinterpret_cast<float*>(pa + pb * 256), kLanes);
+        _mm512_store_si512(pb + pair * kLanes, interleave_bf16(p0, p1));
       }
       _mm512_storeu_ps(l_ + b * kLanes, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l_ + b * kLanes), alpha), sum));
     }
   }
 
-  // pv[query][d] = P[query][key] V[key][d] for chunk c: A = P (16 queries x 32 keys per
-  // step), B = V's pairs. Into fresh tiles; fold() adds them to the output later.
+  // pv[d][query] = V^T[d][key] P^T[key][query] for chunk c: A = V^T (16 dims x 32 keys per
+  // step), B = P's pairs. Into fresh tiles; fold() adds them to the output later.
   void product(int64_t c) {
-    const int64_t pair_blocks = (tiles_of(c) + 1) / 2;
-    const uint32_t* vp = vp_[c & 1];
-    for (int64_t b = 0; b < blocks_; b += 2)
-      for (int64_t d = 0; d < kDimBlocks; d += 2) {
-        const int rows = std::min<int64_t>(2, blocks_ - b);
-        const uint32_t* p_first = pa_ + b * (kChunk / 32) * 256;
-        const Tiles p_side{{p_first, p_first + (rows - 1) * (kChunk / 32) * 256}, 64, 1024};
-        const Tiles v_side{{vp + d * kLanes, vp + (d + 1) * kLanes}, kDim * 4, kLanes * kDim * 4};
-        float* const o = pv_ + b * kLanes * kDim + d * kLanes;
-        float* const out[2][2] = {{o, o + kLanes}, {o + kLanes * kDim, o + kLanes * kDim + kLanes}};
-        multiply(p_side, v_side, pair_blocks, out, kDim * 4, rows, 2, false);
+    const int64_t steps = (tiles_of(c) + 1) / 2;
+    const uint32_t* vt = vt_ + c * (kChunk / 2);
+    for (int64_t d = 0; d < kDimBlocks; d += 2)
+      for (int64_t b = 0; b < blocks_; b += 2) {
+        const int cols = std::min<int64_t>(2, blocks_ - b);
+        const Tiles v_side{{vt + d * kLanes * vt_words_, vt + (d + 1) * kLanes * vt_words_}, vt_words_ * 4, 64};
+        const uint32_t* p_first = pb_ + b * (kChunk / 2) * kLanes;
+        const Tiles p_side{{p_first, p_first + (cols - 1) * (kChunk / 2) * kLanes}, 64, kLanes * 64};
+        float* const o = pv_ + d * kLanes * width_ + b * kLanes;
+        float* const out[2][2] = {{o, o + kLanes}, {o + kLanes * width_, o + kLanes * width_ + kLanes}};
+        multiply(v_side, p_side, steps, out, width_ * 4, 2, cols, false);
       }
   }
 
-  // acc = acc * alpha + pv, row i by lane i's rescale for chunk c: its P V into the output.
+  // acc = acc * alpha + pv, column i by lane i's rescale for chunk c: its P V into the output.
   void fold(int64_t c) {
-    for (int64_t i = 0; i < width_; ++i) {
-      const __m512 a = _mm512_set1_ps(alpha_[c & 1][i]);
-      for (int64_t d = i * kDim; d < (i + 1) * kDim; d += kLanes)
-        _mm512_storeu_ps(acc_ + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc_ + d), a, _mm512_loadu_ps(pv_ + d)));
+    for (int64_t q = 0; q < width_; q += kLanes) {
+      const __m512 a = _mm512_loadu_ps(alpha_[c & 1] + q);
+      for (int64_t i = q; i < kDim * width_; i += width_)
+        _mm512_storeu_ps(acc_ + i, _mm512_fmadd_ps(_mm512_loadu_ps(acc_ + i), a, _mm512_loadu_ps(pv_ + i)));
     }
   }
 
+  // out = acc / l, transposed back to [query][d] (in pv_, free by now).
   void finish() {
+    for (int64_t q = 0; q < width_; q += kLanes) {
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(l_ + q));
+      for (int64_t i = q; i < kDim * width_; i += width_) _mm512_storeu_ps(acc_ + i, _mm512_mul_ps(_mm512_loadu_ps(acc_ + i), inv));
+    }
+    treadle::vec::transpose(acc_, width_, pv_, kDim, kDim, width_);
     for (int64_t i = 0; i < lanes_; ++i) {
       c10::BFloat16* dst = st_.out + (first_row_ + i / st_.group) * st_.o_tok + (first_head_ + i % st_.group) * st_.o_head;
-      const __m512 inv = _mm512_set1_ps(1.f / l_[i]);
       for (int64_t d = 0; d < kDim; d += kLanes)   // rounded to nearest even, as torch's cast
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc_ + i * kDim + d), inv)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pv_ + i * kDim + d)));
     }
   }
 
   const Step& st_;
+  TransposedV<kDim> transposed_v_;
   int64_t max_width_;
   at::Tensor scratch_;
   float *q_rows_, *s_[2], *acc_, *pv_, *m_, *l_, *alpha_[2];
-  uint32_t *qt_, *pa_, *vp_[2], *square_;
+  uint32_t *qt_, *pb_;
   c10::BFloat16* k_tile_;
   int32_t* pos_;
   // The item at hand.
-  const int32_t* table_ = nullptr;
-  int64_t kv_head_ = 0, first_row_ = 0, first_head_ = 0, lanes_ = 0, width_ = 0, blocks_ = 0, end_ = 0;
+  const uint32_t* vt_ = nullptr;   // its span's V^T for its KV head, vt_words_ words a row
+  int64_t span_ = 0, vt_words_ = 0, kv_head_ = 0, first_row_ = 0, first_head_ = 0, lanes_ = 0, width_ = 0, blocks_ = 0, end_ = 0;
 };
 
 template <int kHalves>

@@ -17,7 +17,8 @@ from treadle.attention.torch_backend import DECODE_CHUNK_TOKENS, GatherBuffer, T
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
-from treadle.models.llama import RMSNorm, apply_rope
+from treadle.models.llama import RMSNorm
+from treadle.models.rope import apply_rope
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not linear.packing_supported(CPU), reason="no oneDNN in this torch")

@@ -8,7 +8,7 @@ import transformers
 
 from tests.reference import HFReference
 from treadle import LLM, SamplingParams
-from treadle.models.llama import rope_inv_freq, rope_parameters
+from treadle.models.rope import rope_inv_freq, rope_parameters
 from treadle.models.loader import default_model_path, load_tokenizer
 
 

@@ -186,12 +186,16 @@ void write_kv_(at::Tensor cache, const at::Tensor& k, const at::Tensor& v, const
   const int64_t bytes = k.size(1) * k.size(2) * elem;
   char* base = static_cast<char*>(cache.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < k.size(0); ++t) {
+  for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < cache.size(1) * block_size, "cache slot ", slots[t], " out of range");
-    const int64_t at = ((slots[t] / block_size) * cache.stride(1) + (slots[t] % block_size) * cache.stride(2)) * elem;
-    std::memcpy(base + at, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * elem, bytes);
-    std::memcpy(base + at + cache.stride(0) * elem, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * elem, bytes);
-  }
+  // Both threads from a few hundred tokens on: the first writes to fresh cache pages fault.
+  at::parallel_for(0, k.size(0), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t at = ((slots[t] / block_size) * cache.stride(1) + (slots[t] % block_size) * cache.stride(2)) * elem;
+      std::memcpy(base + at, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * elem, bytes);
+      std::memcpy(base + at + cache.stride(0) * elem, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * elem, bytes);
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

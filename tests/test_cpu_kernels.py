@@ -37,6 +37,27 @@ def test_packed_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_gemm_rows_round_up_by_at_most_a_sixteenth():
+    counts = {linear.gemm_rows(r) for r in range(linear.SMALL_ROWS + 1, 2049)}
+    assert len(counts) < 100   # kernels oneDNN compiles, against 2,044 row counts
+    for rows in range(linear.SMALL_ROWS + 1, 2049):   # at most 7 more, or a sixteenth
+        assert rows <= linear.gemm_rows(rows) <= max(rows + 7, rows * 17 / 16)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [9, 300, 513])
+def test_padded_rows_leave_the_real_rows_alone(rows):
+    """The packed GEMM runs at gemm_rows(rows) rows; the rows asked for come back as the GEMM
+    at exactly that many rows gives them."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(40, 64), torch.randn(rows, 64)
+    packed = linear.pack(weight)
+    exact = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    out = linear.linear(x, weight, None, packed)
+    assert out.shape == (rows, 40)
+    torch.testing.assert_close(out, exact, rtol=1e-6, atol=1e-6)
+
+
 @needs_packing
 def test_packed_copy_follows_pack_weights_only():
     """The packed copy is a snapshot: an edit to the weight shows once it is packed again."""

@@ -16,6 +16,7 @@ from treadle.distributed.parallel_state import ParallelContext
 from treadle.distributed.pipeline import StageLink
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
+from treadle.models import linear
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.grammar import GrammarMatchers
@@ -74,6 +75,10 @@ class ModelRunner:
         self.model.pack_weights()
         if self.native_kernels:
             self.model.use_cpu_kernels()
+        if self.model.is_packed:
+            warm = time.perf_counter()
+            ran = linear.warm_up_gemms(self.model, self.config.scheduler.max_num_batched_tokens)
+            logger.debug("warmed up %d GEMMs in %.2fs", ran, time.perf_counter() - warm)
         if self.ctx.pp_size > 1:
             self.link = StageLink(self.ctx, cfg.hf_config.hidden_size, self.dtype, self.device)
             if not self.ctx.is_last_stage:

@@ -74,9 +74,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 @torch.inference_mode()
 def warm_up_gemms(model: nn.Module, max_rows: int) -> int:
-    """Run every packed weight's GEMM once at each row count `gemm_rows` gives up to
+    """Run every packed `Linear`'s GEMM once at each row count `gemm_rows` gives up to
     `max_rows` (a step's most tokens), so that no step pays for oneDNN's JIT; returns how many
-    GEMMs ran. Weights of one shape share their kernels, so one of each shape is enough."""
+    GEMMs ran. Weights of one shape share their kernels, so one of each shape is enough. The
+    GEMM alone: a row-parallel layer's all-reduce has nothing to warm up. (A tied head's packed
+    copy is not a `Linear` and is not warmed: its rows are a step's sequences, a few counts.)"""
     by_shape: dict[tuple, Linear] = {}
     for module in model.modules():
         if isinstance(module, Linear) and module.packed is not None:
@@ -84,17 +86,17 @@ def warm_up_gemms(model: nn.Module, max_rows: int) -> int:
     counts = sorted({gemm_rows(r) for r in range(SMALL_ROWS + 1, max_rows + 1)})
     for module in by_shape.values():
         for rows in counts:
-            module(module.weight.new_zeros(rows, module.in_features))
+            linear(module.weight.new_zeros(rows, module.in_features), module.weight, module.bias, module.packed)
     return len(by_shape) * len(counts)
 
 
 def gemm_rows(rows: int) -> int:
     """The rows a packed GEMM of `rows` rows runs with: rounded up to 1/16 of their power of
-    two, and to a multiple of 8 (at most 7 more rows, or 6% more), so that oneDNN JIT-compiles a kernel for each of a hundred-odd row
-    counts rather than for every one. A new count cost 4-12 ms for SmolLM2's four linears, paid
-    by the step whose token count it is, and every prompt of a new length was one (vLLM builds
-    its oneDNN matmuls with a runtime row count instead). Each output row depends on its input
-    row only, so the zero rows added change nothing else."""
+    two, and to a multiple of 8 (at most 7 more rows, or 6% more), so that oneDNN JIT-compiles
+    kernels for 80 row counts up to 2,048 rather than for every one. A new count cost about 5 ms
+    for SmolLM2's four linears, paid by the step whose token count it is, and every prompt of a
+    new length was one (vLLM builds its oneDNN matmuls with a runtime row count instead). Each
+    output row depends on its input row only, so the zero rows added change nothing else."""
     step = max(8, 1 << max(0, rows.bit_length() - 5))
     return -(-rows // step) * step
 

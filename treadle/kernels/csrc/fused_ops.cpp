@@ -30,20 +30,20 @@ void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* o, int
   // e = e^-|g|, an argument exp_nonpositive takes (kept above its floor): then silu(g) is
   // g / (1 + e) for g >= 0 and g e / (1 + e) for g < 0, and no lane overflows. A NaN stays NaN.
   if constexpr (!std::is_same_v<scalar_t, double>) {
-  const __m512 one = _mm512_set1_ps(1.f), floor = _mm512_set1_ps(-87.f), zero = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 g = treadle::vec::load16(gate + i);
-    const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
-    const __m512 e = treadle::vec::exp_nonpositive(_mm512_max_ps(neg_abs, floor));
-    const __m512 top = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), g, e);
-    // 1 / (1 + e) from rcp14 and a Newton step (within an ulp or two), as a division's
-    // throughput would bound the loop.
-    const __m512 d = _mm512_add_ps(one, e);
-    __m512 r = _mm512_rcp14_ps(d);
-    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
-    const __m512 silu = treadle::vec::round16<scalar_t>(_mm512_mul_ps(top, r));
-    treadle::vec::store16(o + i, _mm512_mul_ps(silu, treadle::vec::load16(up + i)));
-  }
+    const __m512 one = _mm512_set1_ps(1.f), floor = _mm512_set1_ps(-87.f), zero = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 g = treadle::vec::load16(gate + i);
+      const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+      const __m512 e = treadle::vec::exp_nonpositive(_mm512_max_ps(neg_abs, floor));
+      const __m512 top = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), g, e);
+      // 1 / (1 + e) from rcp14 and a Newton step (within an ulp or two), as a division's
+      // throughput would bound the loop.
+      const __m512 d = _mm512_add_ps(one, e);
+      __m512 r = _mm512_rcp14_ps(d);
+      r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+      const __m512 silu = treadle::vec::round16<scalar_t>(_mm512_mul_ps(top, r));
+      treadle::vec::store16(o + i, _mm512_mul_ps(silu, treadle::vec::load16(up + i)));
+    }
   }
 #endif
   for (; i < n; ++i) {
@@ -172,7 +172,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // Each token's new K and V ([T, kv_heads, head_dim], a token's heads side by side) into its
 // slot of the cache [2, blocks, block_size, kv_heads, head_dim]: what index_copy_ does, as a
-// copy of a token's heads at once (index_copy_ took 1.7-4.4 ms of a 64-512-token bf16 prompt).
+// copy of a token's heads at once. Shared by the Python layers and the decode stack; in place
+// it took as long as index_copy_ (the first writes to fresh cache pages dominate both).
 void write_kv_(at::Tensor cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.stride(3) == cache.size(4) && cache.stride(4) == 1,
               "write_kv_: cache [2, blocks, block_size, kv_heads, head_dim], each slot's heads contiguous");

@@ -474,7 +474,7 @@ def test_fused_ops_match_the_torch_expressions(dtype, rows):
                                    rtol=tol, atol=tol)
 
     # The residual add before a norm: the same bits as the add and the norm apart, which the
-    # decode stack's output must match.
+    # layer stack's output must match.
     out = torch.randn(rows, 64).to(dtype)
     residual = torch.randn(rows, 2, 64).to(dtype)[:, 0]   # rows apart, as a strided view
     total, normed = torch.ops.treadle.add_rms_norm(out, residual, norm.weight, norm.eps)

@@ -12,8 +12,8 @@
   at about half that rate.
 - `int8_rows_linear`: the same over weight-only int8 rows (`quantization="int8"`,
   `linear.INT8_ROWS`).
-- `DecodeStack` (a class): a stage's decoder layers over these kernels in one call, for steps
-  of decodes only (models/decode_stack.py).
+- `LayerStack` (a class): a stage's decoder layers over these kernels in one call per step
+  (models/layer_stack.py).
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch
   expressions they replace make three to five.
 

@@ -96,7 +96,8 @@ def gemm_rows(rows: int) -> int:
     kernels for 80 row counts up to 2,048 rather than for every one. A new count cost about 5 ms
     for SmolLM2's four linears, paid by the step whose token count it is, and every prompt of a
     new length was one (vLLM builds its oneDNN matmuls with a runtime row count instead). Each
-    output row depends on its input row only, so the zero rows added change nothing else."""
+    output row depends on its input row only, so the zero rows added change nothing else.
+    The layer stack (kernels/csrc/layer_stack.cpp) pads the same way; a test holds the two equal."""
     step = max(8, 1 << max(0, rows.bit_length() - 5))
     return -(-rows // step) * step
 

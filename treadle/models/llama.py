@@ -15,7 +15,7 @@ from torch import nn
 
 from treadle.attention.torch_backend import AttentionMetadata, TorchAttention
 from treadle.distributed.parallel_state import ParallelContext
-from treadle.models import decode_stack, linear
+from treadle.models import layer_stack, linear
 from treadle.models.linear import Linear
 from treadle.models.parallel import MissingLayer, WeightSharder, embedding, row_linear
 from treadle.models.rope import RotaryEmbedding, apply_rope
@@ -170,9 +170,9 @@ class LlamaForCausalLM(nn.Module):
         # int8 copy of the head; on a first stage of several with a tied head, of the embedding
         self._int8_head: linear.Int8Weight | None = None
         self.native_head = False   # the head through the C++ kernel at a few rows
-        # This stage's layers in one C++ call for steps of decodes only (models/decode_stack.py);
-        # built with the packed weights once the CPU kernels serve the model.
-        self.decode_stack: torch.ScriptObject | None = None
+        # This stage's layers in one C++ call per step (models/layer_stack.py); built with the
+        # packed weights once the CPU kernels serve the model.
+        self.layer_stack: torch.ScriptObject | None = None
         # A tied head is the embedding, unless the embedding lives on another stage: then the
         # last stage loads its own copy of it.
         tied_head_here = self.tie_word_embeddings and ctx.is_last_stage and not ctx.is_first_stage
@@ -190,8 +190,8 @@ class LlamaForCausalLM(nn.Module):
         last stage, else what the next stage takes (`hidden` is the previous stage's)."""
         h = self.model.embed_tokens(input_ids) if self.ctx.is_first_stage else hidden
         cos, sin = self.model.rotary(positions, h.dtype)
-        if self.decode_stack is not None and decode_stack.serves(meta, h.shape[0]):
-            h = decode_stack.forward(self.decode_stack, h, cos, sin, kv_caches, meta)
+        if self.layer_stack is not None and layer_stack.serves(meta):
+            h = layer_stack.forward(self.layer_stack, h, cos, sin, kv_caches, meta)
         else:
             first, residual = self.model.layer_range.start, None
             for i in self.model.layer_range:
@@ -239,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         elif linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
-        self.decode_stack = decode_stack.build(self)   # over the new int8 copies, if any
+        self.layer_stack = layer_stack.build(self)   # over the new int8 copies, if any
 
     def use_cpu_kernels(self) -> None:
         """Run RMSNorm, RoPE and SiLU-and-mul through the fused C++ ops (treadle/kernels/cpu.py),
@@ -248,13 +248,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP, linear.Linear)):
                 module.native = True
         self.native_head = True
-        self.decode_stack = decode_stack.build(self)
+        self.layer_stack = layer_stack.build(self)
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)
         self._packed_head = None
         self._int8_head = None
-        self.decode_stack = None
+        self.layer_stack = None
         self.is_packed = False
 
     # -- weights ------------------------------------------------------------------

@@ -172,7 +172,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // Each token's new K and V ([T, kv_heads, head_dim], a token's heads side by side) into its
 // slot of the cache [2, blocks, block_size, kv_heads, head_dim]: what index_copy_ does, as a
-// copy of a token's heads at once. Shared by the Python layers and the decode stack; in place
+// copy of a token's heads at once. Shared by the Python layers and the layer stack; in place
 // it took as long as index_copy_ (the first writes to fresh cache pages dominate both).
 void write_kv_(at::Tensor cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.stride(3) == cache.size(4) && cache.stride(4) == 1,

@@ -1,4 +1,4 @@
-// The kernels' entry points, for C++ callers (decode_stack.cpp); Python reaches the same
+// The kernels' entry points, for C++ callers (layer_stack.cpp); Python reaches the same
 // functions as torch.ops.treadle.*, registered beside each definition.
 #pragma once
 
@@ -24,6 +24,12 @@ void write_kv_(at::Tensor cache, const at::Tensor& k, const at::Tensor& v, const
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale);
+
+// paged_prefill.cpp: prefill chunks (causal, after any cached context), all of a step's in one
+// call; rows of q counted from the first chunk's first.
+void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale);
 
 // paged_decode_amx.cpp: the same on AMX tiles in bf16, where the CPU has them and this process
 // may use them, head_dim is 64 or 128, a KV head has at most 16 query heads and a block holds

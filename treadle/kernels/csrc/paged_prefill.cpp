@@ -297,6 +297,10 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   });
 }
 
+}  // namespace
+
+namespace treadle {
+
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table,
                              const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
@@ -323,11 +327,11 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   });
 }
 
-}  // namespace
+}  // namespace treadle
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor query_start, Tensor context_lens, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(treadle, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
+TORCH_LIBRARY_IMPL(treadle, CPU, m) { m.impl("paged_prefill_attention", &treadle::paged_prefill_attention); }

@@ -1,11 +1,13 @@
-// A pipeline stage's decoder layers for a step of decodes only, in one call.
+// A pipeline stage's decoder layers for a step, in one call.
 //
 // At batch 1 a layer is a dozen small ops around four weight reads. From Python each op costs
 // a module call, the dispatcher and its views: about 5 ms of a 24 ms SmolLM2 step, against 16
-// ms of weight reads. This runs the same kernels in the same order from C++, so its output is the
-// Python path's, bit for bit (tests/test_decode_stack.py); only the interpreter is gone.
+// ms of weight reads; a step with prefill chunks pays the same again, on top of its GEMMs, and
+// holds the GIL the server's thread wants meanwhile. This runs the same kernels in the same
+// order from C++, so its output is the Python path's, bit for bit (tests/test_layer_stack.py);
+// only the interpreter is gone.
 //
-// `DecodeStack` holds the stage's weights (the tensors themselves, so in-place weight loads
+// `LayerStack` holds the stage's weights (the tensors themselves, so in-place weight loads
 // show through; the model builds a new stack whenever it re-packs or re-quantizes).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -13,6 +15,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -25,15 +28,28 @@ struct RowLimits {
   int64_t small_rows, int8_rows;
 };
 
-// oneDNN's GEMM on a packed weight, the op models/linear.py calls, through the dispatcher.
+// models/linear.py's gemm_rows: the row count a packed GEMM runs at (rounded up to 1/16 of its
+// power of two and to a multiple of 8), so that oneDNN compiles kernels for a few counts only.
+int64_t gemm_rows(int64_t rows) {
+  int bits = 0;
+  while ((rows >> bits) > 0) ++bits;   // Python's int.bit_length
+  const int64_t step = std::max<int64_t>(8, int64_t{1} << std::max(0, bits - 5));
+  return (rows + step - 1) / step * step;
+}
+
+// oneDNN's GEMM on a packed weight as models/linear.py runs it: zero rows up to gemm_rows,
+// the op through the dispatcher, the rows asked for back.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+  const int64_t rows = x.size(0), padded = gemm_rows(rows);
+  const at::Tensor input = padded == rows ? x : at::cat({x, x.new_zeros({padded - rows, x.size(1)})});
+  torch::jit::Stack stack{input, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
                           c10::IValue(std::string("none")), c10::IValue(c10::List<c10::optional<at::Scalar>>()),
                           c10::IValue(std::string(""))};
   op.callBoxed(&stack);
-  return stack[0].toTensor();
+  const at::Tensor out = stack[0].toTensor();
+  return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
 struct StackLinear {
@@ -57,10 +73,10 @@ struct StackLayer {
   std::vector<StackLinear> linears;            // qkv, o, gate_up, down
 };
 
-class DecodeStack : public torch::CustomClassHolder {
+class LayerStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-              int64_t small_rows, int64_t int8_rows)
+  LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+             int64_t small_rows, int64_t int8_rows)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         limits_{small_rows, int8_rows} {}
 
@@ -80,15 +96,32 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // h [T, hidden] -> h after every layer, T decode tokens with their cache slots, block tables
-  // and lengths (counting the new token). cos/sin [T, 1, head_dim] in h's dtype.
+  // h [T, hidden] -> h after every layer for a step laid out as the attention metadata lays it
+  // out (attention/torch_backend.py): decodes first, with their block tables and lengths
+  // (counting the new token), then prefill chunks, with theirs, their query starts (from the
+  // first chunk's first row) and their cached context lengths; either part may be absent.
+  // cos/sin [T, 1, head_dim] in h's dtype.
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv_caches,
-                     at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens) const {
+                     at::Tensor slot_mapping, c10::optional<at::Tensor> decode_block_table,
+                     c10::optional<at::Tensor> seq_lens, c10::optional<at::Tensor> prefill_block_table,
+                     c10::optional<at::Tensor> query_start, c10::optional<at::Tensor> context_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the last layer lacks linears");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                 slot_mapping.numel() == h.size(0), "slot_mapping: one int64 slot per token");
+    TORCH_CHECK(decode_block_table.has_value() == seq_lens.has_value(), "decodes need a block table and lengths");
+    TORCH_CHECK(prefill_block_table.has_value() == query_start.has_value() &&
+                query_start.has_value() == context_lens.has_value(),
+                "prefill chunks need a block table, query starts and context lengths");
     const int64_t t = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t decodes = seq_lens.has_value() ? seq_lens->numel() : 0;
+    int64_t prefill_rows = 0;
+    if (query_start.has_value()) {
+      TORCH_CHECK(query_start->scalar_type() == at::kInt && query_start->dim() == 1 && query_start->numel() > 1 &&
+                  query_start->is_contiguous(), "query_start: contiguous int32, one more than the chunks");
+      prefill_rows = query_start->data_ptr<int32_t>()[query_start->numel() - 1];
+    }
+    TORCH_CHECK(decodes + prefill_rows == t, "the decodes and prefill chunks must cover the step's tokens");
     // As the Python layers: each layer's output x and the residual stream apart, added by the
     // next norm (add_rms_norm).
     at::Tensor x = h, residual, normed;
@@ -119,7 +152,13 @@ class DecodeStack : public torch::CustomClassHolder {
       }
       treadle::write_kv_(cache, k, qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_}), slot_mapping);
       at::Tensor attn = at::empty({t, num_heads_, head_dim_}, h.options());
-      treadle::paged_decode_attention(attn, q, cache.select(0, 0), cache.select(0, 1), block_table, seq_lens, scale_);
+      const at::Tensor k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
+      if (decodes > 0)
+        treadle::paged_decode_attention(attn.narrow(0, 0, decodes), q.narrow(0, 0, decodes), k_cache, v_cache,
+                                        *decode_block_table, *seq_lens, scale_);
+      if (prefill_rows > 0)
+        treadle::paged_prefill_attention(attn.narrow(0, decodes, prefill_rows), q.narrow(0, decodes, prefill_rows),
+                                         k_cache, v_cache, *prefill_block_table, *query_start, *context_lens, scale_);
       std::tie(residual, normed) =
           treadle::add_rms_norm(layer.linears[1](attn.view({t, q_size}), limits_), residual, layer.post_attention_norm, eps_);
       x = layer.linears[3](treadle::silu_and_mul(layer.linears[2](normed, limits_)), limits_);
@@ -137,10 +176,12 @@ class DecodeStack : public torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
-  m.class_<DecodeStack>("DecodeStack")
+  m.class_<LayerStack>("LayerStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("add_linear", &DecodeStack::add_linear)
-      .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward);
+      .def("add_layer", &LayerStack::add_layer)
+      .def("add_linear", &LayerStack::add_linear)
+      .def("num_layers", &LayerStack::num_layers)
+      .def("forward", &LayerStack::forward);
+  // For the test that holds it to models/linear.py's.
+  m.def("gemm_rows(int rows) -> int", [](int64_t rows) { return gemm_rows(rows); });
 }

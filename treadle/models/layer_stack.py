@@ -1,10 +1,11 @@
-"""Decode steps through one C++ call per pipeline stage.
+"""A pipeline stage's layers in one C++ call per step.
 
-`torch.classes.treadle.DecodeStack` (treadle/kernels/csrc/decode_stack.cpp) runs a stage's
+`torch.classes.treadle.LayerStack` (treadle/kernels/csrc/layer_stack.cpp) runs a stage's
 decoder layers with the kernels the Python layers call, chosen by the same rules
 (`linear.linear`) and run in the same order, so the hidden states are the same bits; it only
-removes the interpreter between ops, about a fifth of a batch-1 step (docs/benchmarks.md). It
-serves steps whose every token is a decode; steps with prefill chunks keep the Python layers.
+removes the interpreter between ops: about a fifth of a batch-1 step, and as much again in a
+step with prefill chunks (docs/benchmarks.md). It serves every step whose attention runs in the
+C++ kernels; the Python layers serve the rest (no kernels, or tensor parallelism).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
         return None
     layers = [model.model.layers[i] for i in model.model.layer_range]
     attn = layers[0].self_attn
-    stack = torch.classes.treadle.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                              layers[0].input_layernorm.eps, attn.attn.scale,
-                                              linear.SMALL_ROWS, linear.INT8_ROWS)
+    stack = torch.classes.treadle.LayerStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                             layers[0].input_layernorm.eps, attn.attn.scale,
+                                             linear.SMALL_ROWS, linear.INT8_ROWS)
     for layer in layers:
         a = layer.self_attn
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -41,12 +42,15 @@ def _add_linear(stack: torch.ScriptObject, lin: Linear) -> None:
     stack.add_linear(lin.weight, lin.bias, q, scales, lin.packed)
 
 
-def serves(meta: AttentionMetadata, num_tokens: int) -> bool:
-    """Whether a step of `num_tokens` tokens is one the stack runs: decodes only."""
-    return meta.native_decode is not None and meta.num_decodes == num_tokens
+def serves(meta: AttentionMetadata) -> bool:
+    """Whether the stack runs this step: its attention runs in the C++ kernels."""
+    return meta.native_kernels
 
 
 def forward(stack: torch.ScriptObject, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-    decode = meta.native_decode
-    return stack.forward(h, cos, sin, kv_caches, meta.slot_mapping, decode.block_table, decode.seq_lens)
+    decode, prefill = meta.native_decode, meta.native_prefill
+    return stack.forward(h, cos, sin, kv_caches, meta.slot_mapping,
+                         decode.block_table if decode else None, decode.seq_lens if decode else None,
+                         prefill.block_table if prefill else None, prefill.query_start if prefill else None,
+                         prefill.context_lens if prefill else None)

@@ -1,0 +1,133 @@
+"""The layer stack (models/layer_stack.py): a stage's layers in one C++ call per step. It must
+compute the Python layers' bits exactly, so greedy tokens and every logprob agree with the
+stack on and off: for each architecture, with int8, at batch sizes on each side of the few-row
+kernels' limits (the stack then takes oneDNN's packed GEMM, as the Python layers do), and in
+steps of prefill chunks alone and of chunks beside decodes; and it must actually run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams
+from treadle.kernels.cpu import cpu_kernels_available
+from treadle.models import layer_stack, linear
+
+CPU = torch.device("cpu")
+needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 11, [42, 17, 99, 5, 23, 64, 1000],
+           [5, 4, 3], [900, 901], [31, 41, 59, 26, 53], [2718, 28]]
+assert len(PROMPTS) > max(linear.SMALL_ROWS, linear.INT8_ROWS)
+LONG = [list(range(10 + i, 10 + i + n)) for i, n in enumerate((37, 61, 23))]   # chunked at 16 tokens
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[tuple[list[int], list]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _runs(llm: LLM) -> list:
+    """Batch 1, the few-row kernels' largest batch, one past both limits; then long prompts in
+    16-token chunks beside the decodes of short ones."""
+    return ([_generate(llm, [p])[0] for p in PROMPTS[:3]] + _generate(llm, PROMPTS[:linear.SMALL_ROWS])
+            + _generate(llm, PROMPTS) + _generate(llm, PROMPTS[:2] + LONG, max_tokens=20))
+
+
+@needs_native
+@pytest.mark.parametrize("arch, quantization", [("llama", None), ("qwen2", None), ("qwen3", None),
+                                                ("llama", "int8")])
+def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, arch, quantization):
+    steps = []   # (decodes, prefill rows) of each step the stack ran
+    run_stack = layer_stack.forward
+
+    def counted(stack, h, cos, sin, kv_caches, meta):
+        steps.append((meta.num_decodes, h.shape[0] - meta.num_decodes))
+        return run_stack(stack, h, cos, sin, kv_caches, meta)
+
+    monkeypatch.setattr(layer_stack, "forward", counted)
+    llm = LLM(tiny_checkpoints[arch], quantization=quantization, enable_prefix_caching=False,
+              max_num_batched_tokens=16, block_size=16)
+    model = llm.engine.core.executor.worker.runner.model
+    try:
+        assert model.layer_stack is not None and model.layer_stack.num_layers() == 3
+        with_stack = _runs(llm)
+        decode_rows = {d for d, p in steps if p == 0}
+        assert {1, linear.SMALL_ROWS, len(PROMPTS)} <= decode_rows
+        assert any(d == 0 and p > 0 for d, p in steps)    # prefill chunks alone
+        assert any(d > 0 and p > 0 for d, p in steps)     # chunks beside decodes
+        stack, model.layer_stack = model.layer_stack, None
+        steps.clear()
+        without = _runs(llm)
+        assert not steps
+        assert with_stack == without   # token ids and every logprob, bit for bit
+        model.layer_stack = stack
+    finally:
+        llm.shutdown()
+
+
+@needs_native
+def test_a_weight_update_rebuilds_the_stack(tiny_checkpoints):
+    """load_weights re-packs and re-quantizes: the stack must read the new weights, not a
+    snapshot of the old int8 copies."""
+    from treadle.models.loader import iter_hf_weights
+
+    llm = LLM(tiny_checkpoints["llama"], quantization="int8", enable_prefix_caching=False)
+    model = llm.engine.core.executor.worker.runner.model
+    try:
+        before = model.layer_stack
+        weights = {n: t * 1.5 if "mlp" in n else t for n, t in iter_hf_weights(tiny_checkpoints["llama"])}
+        model.load_weights(weights.items())
+        assert model.layer_stack is not before
+        with_stack = _generate(llm, PROMPTS[:1])
+        model.layer_stack = None
+        assert _generate(llm, PROMPTS[:1]) == with_stack
+    finally:
+        llm.shutdown()
+
+
+@needs_native
+def test_stack_pads_gemm_rows_as_the_python_layers_do():
+    """Its packed GEMMs run at linear.gemm_rows' counts: the kernels warmed up at load, and the
+    same bits as the Python layers at every row count."""
+    for rows in range(1, 4097):
+        assert torch.ops.treadle.gemm_rows(rows) == linear.gemm_rows(rows), rows
+
+
+@needs_native
+def test_stack_refuses_what_it_cannot_run():
+    stack = torch.classes.treadle.LayerStack(4, 2, 16, 1e-6, 0.25, 4, 6)   # hidden 64: q 64, k and v 32
+    qkv, o, gate_up, down = torch.zeros(128, 64), torch.zeros(64, 64), torch.zeros(256, 64), torch.zeros(64, 128)
+    with pytest.raises(RuntimeError, match="add_layer first"):
+        stack.add_linear(qkv, None, None, None, None)
+    stack.add_layer(torch.ones(64), torch.ones(64), None, None)
+    with pytest.raises(RuntimeError, match="both q and scales"):
+        stack.add_linear(qkv, None, torch.zeros(128, 64, dtype=torch.int8), None, None)
+    stack.add_linear(qkv, None, None, None, None)
+    one = torch.ones(1, dtype=torch.int32)
+
+    def forward(caches, slot, tokens=1, decode=(torch.zeros(1, 1, dtype=torch.int32), one), prefill=(None,) * 3):
+        return stack.forward(torch.zeros(tokens, 64), torch.ones(tokens, 1, 16), torch.zeros(tokens, 1, 16), caches,
+                             torch.tensor([slot] * tokens), *decode, *prefill)
+
+    cache = torch.zeros(2, 4, 16, 2, 16)   # 4 blocks of 16 slots
+    with pytest.raises(RuntimeError, match="lacks linears"):
+        forward([cache], 0)
+    for weight in (o, gate_up, down):
+        stack.add_linear(weight, None, None, None, None)
+    with pytest.raises(RuntimeError, match="one KV cache per layer"):
+        forward([], 0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        forward([cache], 64)
+    with pytest.raises(RuntimeError, match="block table and lengths"):
+        forward([cache], 0, decode=(None, one))
+    with pytest.raises(RuntimeError, match="cover the step's tokens"):
+        forward([cache], 0, tokens=2)
+    prefill = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+               torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="query starts and context lengths"):
+        forward([cache], 0, prefill=prefill[:2] + (None,))
+    assert forward([cache], 63).shape == (1, 64)
+    assert forward([cache], 63, tokens=2, prefill=prefill).shape == (2, 64)   # a decode, then a chunk of 1
+    assert forward([cache], 63, decode=(None, None), prefill=prefill).shape == (1, 64)

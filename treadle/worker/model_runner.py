@@ -20,6 +20,7 @@ from treadle.models import linear
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.grammar import GrammarMatchers
+from treadle.worker.malloc import keep_freed_memory
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
 from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
@@ -42,6 +43,8 @@ class ModelRunner:
         self.num_blocks = 0
         self._weights_discarded = False   # by sleep(level=2), until a full load
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()   # activations: from the heap, not the kernel, every layer
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.model: torch.nn.Module | None = None

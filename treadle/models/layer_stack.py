@@ -50,7 +50,6 @@ def serves(meta: AttentionMetadata) -> bool:
 def forward(stack: torch.ScriptObject, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
     decode, prefill = meta.native_decode, meta.native_prefill
-    return stack.forward(h, cos, sin, kv_caches, meta.slot_mapping,
-                         decode.block_table if decode else None, decode.seq_lens if decode else None,
-                         prefill.block_table if prefill else None, prefill.query_start if prefill else None,
-                         prefill.context_lens if prefill else None)
+    decodes = (decode.block_table, decode.seq_lens) if decode else (None, None)
+    chunks = (prefill.block_table, prefill.query_start, prefill.context_lens) if prefill else (None, None, None)
+    return stack.forward(h, cos, sin, kv_caches, meta.slot_mapping, *decodes, *chunks)

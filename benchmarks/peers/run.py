@@ -174,7 +174,8 @@ def start_server(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], po
     max_len = str(SERVING["input_len"][1] + SERVING["output_len"][1] + 8)
     if engine == "treadle":
         cmd = [str(ROOT / ".venv/bin/treadle"), "serve", hf_dir, "--port", str(port),
-               "--dtype", DTYPES[dtype][0], "--max-model-len", max_len, *treadle_args]
+               "--dtype", DTYPES[dtype][0], "--max-model-len", max_len, "--no-enable-prefix-caching",
+               *treadle_args]
         return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     if engine == "vllm":
         cmd = [str(PEERS / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server",

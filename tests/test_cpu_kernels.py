@@ -193,7 +193,8 @@ def _dense_decode(q, k_cache, v_cache, table, seq_lens, scale):
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("num_seqs", [1, 3, 40])   # few sequences: the kernel splits by KV head
+# few sequences: the kernel splits by KV head; sequences past 512 tokens are split into parts
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])
 # 64 and 128 take the AVX-512 path where the CPU has it (16-token tiles across block bounds at
 # block size 32 and 8); 40 takes the plain loops everywhere.
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (40, 8)])
@@ -202,11 +203,15 @@ def test_native_decode_matches_dense_attention(dtype, tol, heads, kv_heads, num_
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
-def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size):
-    """The decode kernel's output on scattered blocks, and float64 attention's."""
+def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size, lens_in_front=None):
+    """The decode kernel's output on scattered blocks, and float64 attention's. The first
+    sequences are 1,100 tokens long (parts of 512 in the vector kernel, the last short; of
+    1,024 on tiles), 1, 513 (a last part of one token), 17, 300, 16 and 33, or `lens_in_front`;
+    the rest random."""
     rng = np.random.default_rng(num_seqs)
-    num_blocks = 512 * 16 // block_size
-    seq_lens = [1, 16, 17, 300, 33][:num_seqs] + [int(x) for x in rng.integers(1, 200, max(0, num_seqs - 5))]
+    num_blocks = 1024 * 16 // block_size
+    front = lens_in_front or [1100, 1, 513, 17, 300, 16, 33]
+    seq_lens = front[:num_seqs] + [int(x) for x in rng.integers(1, 200, max(0, num_seqs - len(front)))]
     max_blocks = -(-max(seq_lens) // block_size)
     # Scattered blocks, unused table entries on the null block 0, as the runner fills them.
     table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
@@ -230,6 +235,23 @@ def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size):
     torch.ops.treadle.paged_decode_attention(out, q, k_cache, v_cache, torch.from_numpy(table),
                                              torch.tensor(seq_lens, dtype=torch.int32), scale)
     return out, expected
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
+    """A long sequence's parts follow its length alone: alone (an item per KV head and part) or
+    beside 39 others (a part's KV heads in one item), its 1,500 tokens give the same bits."""
+    torch.manual_seed(0)
+    seq_lens = torch.tensor([1500] + [100] * 39, dtype=torch.int32)
+    k_cache, v_cache = (torch.randn(96 * 40, 16, 3, 64).to(dtype) for _ in range(2))
+    table = torch.randperm(96 * 40, dtype=torch.int32).reshape(40, 96)
+    q = torch.randn(40, 9, 64).to(dtype)
+    outs = [torch.empty(n, 9, 64, dtype=dtype) for n in (40, 1)]
+    for out in outs:
+        n = out.shape[0]
+        torch.ops.treadle.paged_decode_attention(out, q[:n], k_cache, v_cache, table[:n], seq_lens[:n], 0.125)
+    assert torch.equal(outs[0][0], outs[1][0])
 
 
 @needs_native
@@ -292,6 +314,9 @@ def test_native_decode_refuses_bad_inputs():
         torch.ops.treadle.paged_decode_attention(torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), k_cache, k_cache,
                                                  torch.zeros(1, 1, dtype=torch.int32),
                                                  torch.ones(1, dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):   # one block of 16 slots
+        torch.ops.treadle.paged_decode_attention(out, q, k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                                 torch.full((1,), 17, dtype=torch.int32), 1.0)
 
 
 @needs_native

@@ -1,7 +1,8 @@
 """C++ kernels for CPU (csrc/), registered as `torch.ops.treadle.*` and built on first use.
 
 - `paged_decode_attention`: decode attention that reads K/V straight out of the block table,
-  where the torch path gathers them into a dense buffer and SDPA reads them again. In bf16 on
+  where the torch path gathers them into a dense buffer and SDPA reads them again. A long
+  sequence is split into parts that threads share, merged after (decode_items.h). In bf16 on
   a CPU with AMX its scores run on tiles (paged_decode_amx.cpp).
 - `paged_prefill_attention`: the same for prefill chunks (causal, after any cached context),
   all of a step's chunks in one call where the torch path makes a gather, a mask and an SDPA

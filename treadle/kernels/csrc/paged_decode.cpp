@@ -47,14 +47,16 @@ struct Call {
   float scale;
 };
 
-// A work item: a sequence and a run of its KV heads, with its heads' scaled queries in qf
-// and room for their scores. offs[t] is token t's row in the caches, from the block table
-// once per item: a division per row read measured as costly as the rest of the work.
+// A work item (decode_items.h): a sequence's tokens t0..t0 + len and a run of its KV heads,
+// with its heads' scaled queries in qf and room for their scores. offs[t] is token t0 + t's
+// row in the caches. Its output goes to out, or to its part row `part` [head][head_dim] when
+// the sequence is split.
 template <typename scalar_t>
 struct Item {
   const Call<scalar_t>& c;
   const int64_t* offs;
   int64_t seq, kv0, kv_heads, len;
+  float* part;
 
   // Token t's row in `cache` at KV head kv0 + g, with the row kPrefetch tokens on requested
   // from memory (`bytes` of it): blocks are scattered, so the hardware prefetcher alone
@@ -70,11 +72,18 @@ struct Item {
     return cache + offs[t] + (kv0 + g) * c.c_head;
   }
   scalar_t* out(int64_t h) const { return c.out + seq * c.o_seq + (kv0 * c.group + h) * c.o_head; }
+  // Head h's output, normalized: cast into out, or kept whole in the part's row.
+  void store(int64_t h, const float* o) const {
+    if (part) return (void)std::copy(o, o + c.head_dim, part + h * c.head_dim);
+    scalar_t* dst = out(h);
+    for (int64_t d = 0; d < c.head_dim; ++d) dst[d] = static_cast<scalar_t>(o[d]);
+  }
   const scalar_t* query(int64_t h) const { return c.q + seq * c.q_seq + (kv0 * c.group + h) * c.q_head; }
 };
 
-// scores[h * len + t] = exp(s - max) in place; returns 1 / sum for each of `heads` heads.
-void softmax(float* scores, int64_t heads, int64_t len, float* inv_sum) {
+// scores[h * len + t] = exp(s - max) in place; for each of `heads` heads, max and sum (for
+// merging parts) and 1 / sum.
+void softmax(float* scores, int64_t heads, int64_t len, float* max, float* sum_exp, float* inv_sum) {
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * len;
     float m = sh[0];
@@ -85,13 +94,16 @@ void softmax(float* scores, int64_t heads, int64_t len, float* inv_sum) {
       sh[t] = std::exp(sh[t] - m);
       sum += sh[t];
     }
+    max[h] = m;
+    sum_exp[h] = sum;
     inv_sum[h] = 1.f / sum;
   }
 }
 
 // Any CPU, any head_dim: a dot product per token and head, then p * v row by row.
 template <typename scalar_t>
-void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, float* acc, float* inv_sum) {
+void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, float* acc, float* max, float* sum,
+                  float* inv_sum) {
   const Call<scalar_t>& c = it.c;
   const int64_t heads = it.kv_heads * c.group, hd = c.head_dim, len = it.len;
   const int64_t bytes = it.kv_heads * c.c_head * static_cast<int64_t>(sizeof(scalar_t));
@@ -106,7 +118,7 @@ void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, floa
       scores[h * len + t] = s;
     }
   }
-  softmax(scores, heads, len, inv_sum);
+  softmax(scores, heads, len, max, sum, inv_sum);
   std::fill(acc, acc + heads * hd, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const scalar_t* row = it.row(c.v, t, 0, bytes);
@@ -119,8 +131,8 @@ void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, floa
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
-    scalar_t* dst = it.out(h);
-    for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<scalar_t>(acc[h * hd + d] * inv_sum[h]);
+    for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] *= inv_sum[h];
+    it.store(h, acc + h * hd);
   }
 }
 
@@ -167,8 +179,7 @@ __attribute__((noinline)) void accumulate_v(const Item<scalar_t>& it, int64_t g,
   for (int i = 0; i < HT; ++i) {
     const __m512 inv = _mm512_set1_ps(inv_sum[h0 + i]);
     for (int d = 0; d < D; ++d) _mm512_store_ps(tmp + 16 * d, _mm512_mul_ps(acc[i][d], inv));
-    scalar_t* dst = it.out(h0 + i);
-    for (int d = 0; d < D * 16; ++d) dst[d] = static_cast<scalar_t>(tmp[d]);
+    it.store(h0 + i, tmp);
   }
 }
 
@@ -259,7 +270,8 @@ void products_tile(const Item<scalar_t>& it, const scalar_t* const* rows, int64_
 // a last tile of n < 16 tokens, rows n to 15 keep an earlier tile's products: lane j of the
 // sum comes from row j alone, and lanes from n on are never stored.
 template <typename scalar_t, int D>
-void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, float* part, float* inv_sum) {
+void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, float* part, float* max, float* sum,
+                   float* inv_sum) {
   const Call<scalar_t>& c = it.c;
   const int64_t heads = it.kv_heads * c.group, len = it.len;
   const int64_t bytes = it.kv_heads * c.c_head * static_cast<int64_t>(sizeof(scalar_t));
@@ -277,7 +289,7 @@ void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, flo
       _mm512_mask_storeu_ps(scores + h * len + t0, mask, kPairs<scalar_t> ? _mm512_mul_ps(sum, scale) : sum);
     }
   }
-  softmax(scores, heads, len, inv_sum);
+  softmax(scores, heads, len, max, sum, inv_sum);
   for (int64_t g = 0; g < it.kv_heads; ++g) accumulate_v_tiles<scalar_t, D>(it, g, scores, inv_sum);
 }
 #endif
@@ -300,39 +312,47 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
 #endif
 
   const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = treadle::decode::kv_heads_per_item(num_seqs, num_kv_heads, num_kv_heads);
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
-  const int64_t num_items = num_seqs * items_per_seq;
-  const int64_t heads = heads_per_item * c.group;  // query heads per item
+  treadle::decode::Parts parts;
+  const std::vector<treadle::decode::WorkItem> items =
+      treadle::decode::plan_items(c.lens, num_seqs, num_heads, num_kv_heads, head_dim, num_kv_heads,
+                                  treadle::decode::kPartTokensVec, parts);
+  const int64_t max_heads = (items.empty() ? 0 : items[0].kv_heads) * c.group;  // query heads per item
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores, inv_sum(heads);
-    std::vector<float> part(vec_dims ? heads * 256 : 0);
+    std::vector<float> qf(max_heads * head_dim), acc(max_heads * head_dim), scores;
+    std::vector<float> max(max_heads), sum(max_heads), inv_sum(max_heads);
+    std::vector<float> part(vec_dims ? max_heads * 256 : 0);
     std::vector<int64_t> offs;
-    for (int64_t idx = next++; idx < num_items; idx = next++) {
-      const int64_t seq = idx / items_per_seq, len = c.lens[seq];
-      treadle::decode::row_offsets(c.tables + seq * c.max_blocks, len, c.block_size, c.c_block, c.c_tok, offs);
-      const Item<scalar_t> it{c, offs.data(), seq, (idx % items_per_seq) * heads_per_item, heads_per_item, len};
+    for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) {
+      const treadle::decode::WorkItem& w = items[idx];
+      treadle::decode::row_offsets(c.tables + w.seq * c.max_blocks, w.t0, w.t1, c.block_size, c.c_block, c.c_tok,
+                                   offs);
+      const Item<scalar_t> it{c, offs.data(), w.seq, w.kv0, w.kv_heads, w.t1 - w.t0,
+                              treadle::decode::part_out(w, c.group, parts)};
+      const int64_t heads = w.kv_heads * c.group;
       scores.resize(heads * it.len);
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* src = it.query(h);
         for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = static_cast<float>(src[d]) * c.scale;
       }
+      bool done = false;
 #ifdef __AVX512F__
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (vec_dims == 4) {
-          attend_avx512<scalar_t, 4>(it, qf.data(), scores.data(), part.data(), inv_sum.data());
-          continue;
-        }
-        if (vec_dims == 8) {
-          attend_avx512<scalar_t, 8>(it, qf.data(), scores.data(), part.data(), inv_sum.data());
-          continue;
+          attend_avx512<scalar_t, 4>(it, qf.data(), scores.data(), part.data(), max.data(), sum.data(), inv_sum.data());
+          done = true;
+        } else if (vec_dims == 8) {
+          attend_avx512<scalar_t, 8>(it, qf.data(), scores.data(), part.data(), max.data(), sum.data(), inv_sum.data());
+          done = true;
         }
       }
 #endif
-      attend_plain<scalar_t>(it, qf.data(), scores.data(), acc.data(), inv_sum.data());
+      if (!done)
+        attend_plain<scalar_t>(it, qf.data(), scores.data(), acc.data(), max.data(), sum.data(), inv_sum.data());
+      treadle::decode::keep_softmax(w, c.group, max.data(), sum.data(), parts);
     }
   });
+  if (!parts.out.empty()) treadle::decode::merge_parts(parts, c.lens, num_seqs, c.out, c.o_seq, c.o_head);
 }
 
 }  // namespace
@@ -350,6 +370,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
               block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table/seq_lens: contiguous int32");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(), "dtype mismatch");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(seq_lens.numel() == q.size(0) && block_table.size(0) >= q.size(0), "a length and a table per sequence");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < q.size(0); ++s)
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= block_table.size(1) * k_cache.size(1), "sequence ", s,
+                " does not fit its block table");
   if (decode_tiles_ready(q, k_cache)) return decode_attention_tiles(out, q, k_cache, v_cache, block_table, seq_lens, scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(out, q, k_cache, v_cache, block_table, seq_lens, scale);

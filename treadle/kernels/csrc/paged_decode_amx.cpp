@@ -47,10 +47,12 @@ struct Step {
 };
 
 // out[HT heads][32 * kHalves dims] for KV head g, its first lane h0: sum over token pairs of
-// (p_t, p_t+1) . (v_t, v_t+1), then divided by the lane's sum. Accumulators in registers.
+// (p_t, p_t+1) . (v_t, v_t+1), then divided by the lane's sum. Accumulators in registers. Cast
+// into dst, or kept whole in `part` (the item's part row) when the sequence is split.
 template <int kHalves, int HT>
 __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head,
-                                            int64_t h0, const uint32_t* pairs, const float* inv_sum, bf16* const* dst) {
+                                            int64_t h0, const uint32_t* pairs, const float* inv_sum,
+                                            bf16* const* dst, float* part) {
   constexpr int D = 2 * kHalves;   // vectors of 16 fp32 in a head's output
   __m512 acc[HT][D];
   for (int i = 0; i < HT; ++i)
@@ -82,47 +84,55 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
   }
   for (int i = 0; i < HT; ++i) {
     const __m512 inv = _mm512_set1_ps(inv_sum[h0 + i]);
-    for (int d = 0; d < D; ++d)   // rounded to nearest even, as torch's cast
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[i] + 16 * d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][d], inv)));
+    for (int d = 0; d < D; ++d) {
+      const __m512 o = _mm512_mul_ps(acc[i][d], inv);
+      if (part) _mm512_storeu_ps(part + (h0 + i) * 16 * D + 16 * d, o);
+      else   // rounded to nearest even, as torch's cast
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[i] + 16 * d), (__m256i)_mm512_cvtneps_pbh(o));
+    }
   }
 }
 
 // accumulate_v on the widest tile of at most HT heads that `left` heads fill.
 template <int kHalves, int HT>
 void accumulate_v_tile(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head, int64_t h0, int64_t left,
-                       const uint32_t* pairs, const float* inv_sum, bf16* const* dst) {
+                       const uint32_t* pairs, const float* inv_sum, bf16* const* dst, float* part) {
   if constexpr (HT > 1) {
-    if (left < HT) return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, inv_sum, dst);
+    if (left < HT)
+      return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, inv_sum, dst, part);
   }
-  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, inv_sum, dst);
+  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, inv_sum, dst, part);
 }
 
-// One thread's items, with its scratch: the queries' B tiles, the scores, P's pairs.
+// One thread's items (decode_items.h), with its scratch: the queries' B tiles, the scores,
+// P's pairs.
 template <int kHalves>
 class SeqWork {
  public:
   explicit SeqWork(const Step& st) : st_(st) {}
 
-  void run(int64_t seq, int64_t kv0, int64_t kv_heads) {
-    len_ = st_.lens[seq];
+  void run(const treadle::decode::WorkItem& w, treadle::decode::Parts& parts) {
+    len_ = w.t1 - w.t0;
     if (len_ <= 0) return;
-    kv0_ = kv0;
-    kv_heads_ = kv_heads;
-    lanes_ = kv_heads * st_.group;
-    treadle::decode::row_offsets(st_.tables + seq * st_.max_blocks, len_, st_.block_size, st_.c_block, st_.c_tok, offs_);
-    queries(seq);
+    kv0_ = w.kv0;
+    kv_heads_ = w.kv_heads;
+    lanes_ = w.kv_heads * st_.group;
+    treadle::decode::row_offsets(st_.tables + w.seq * st_.max_blocks, w.t0, w.t1, st_.block_size, st_.c_block,
+                                 st_.c_tok, offs_);
+    queries(w.seq);
     scores();
     softmax();
+    float* part = treadle::decode::part_out(w, st_.group, parts);
     for (int64_t g = 0; g < kv_heads_; ++g) {
       for (int64_t h = g * st_.group; h < (g + 1) * st_.group; h += kHeadTile) {
         bf16* dst[kHeadTile];
         for (int64_t i = 0; i < std::min<int64_t>(kHeadTile, (g + 1) * st_.group - h); ++i)
-          dst[i] = st_.out + seq * st_.o_seq + (kv0_ * st_.group + h + i) * st_.o_head;
+          dst[i] = st_.out + w.seq * st_.o_seq + (kv0_ * st_.group + h + i) * st_.o_head;
         accumulate_v_tile<kHalves, kHeadTile>(st_, offs_.data(), len_, kv0_ + g, h, (g + 1) * st_.group - h,
-                                              pairs_.data(), inv_sum_, dst);
+                                              pairs_.data(), inv_sum_, dst, part);
       }
     }
+    treadle::decode::keep_softmax(w, st_.group, max_, sum_, parts);
   }
 
  private:
@@ -170,7 +180,8 @@ class SeqWork {
   }
 
   // Each lane's softmax over the tokens: the max, then p = exp(scale * (s - max)) as pairs of
-  // tokens rounded to bf16 (pairs_[t / 2][lane]), and 1 / the fp32 sum of the unrounded p.
+  // tokens rounded to bf16 (pairs_[t / 2][lane]), and 1 / the fp32 sum of the unrounded p;
+  // the scaled max and the sum kept for merging parts.
   void softmax() {
     const float* s = scores_.data();
     __m512 mx = _mm512_set1_ps(kMasked);
@@ -188,13 +199,15 @@ class SeqWork {
       _mm512_storeu_si512(pairs_.data() + (t / 2) * kLanes, treadle::amx::interleave_bf16(p0, p1));
     }
     _mm512_storeu_ps(inv_sum_, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    _mm512_storeu_ps(max_, _mm512_mul_ps(mx, scale));
+    _mm512_storeu_ps(sum_, sum);
   }
 
   const Step& st_;
   std::vector<int64_t> offs_;
   std::vector<uint32_t> qt_, pairs_;
   std::vector<float> scores_;
-  alignas(64) float inv_sum_[kLanes];
+  alignas(64) float inv_sum_[kLanes], max_[kLanes], sum_[kLanes];
   int64_t len_ = 0, kv0_ = 0, kv_heads_ = 0, lanes_ = 0;
 };
 
@@ -206,23 +219,20 @@ void decode_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tens
                 block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), group, k_cache.size(1),
                 block_table.size(1), q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                 k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
-  for (int64_t s = 0; s < num_seqs; ++s)
-    TORCH_CHECK(st.lens[s] <= st.max_blocks * st.block_size, "sequence ", s, " does not fit its block table");
   // As many of a sequence's KV heads per item as fill 16 lanes.
-  const int64_t threads = at::get_num_threads();
-  const int64_t per_item = treadle::decode::kv_heads_per_item(num_seqs, num_kv_heads, std::max<int64_t>(1, kLanes / group));
-  const int64_t items_per_seq = (num_kv_heads + per_item - 1) / per_item;
+  treadle::decode::Parts parts;
+  const std::vector<treadle::decode::WorkItem> items = treadle::decode::plan_items(
+      st.lens, num_seqs, q.size(1), num_kv_heads, q.size(2), std::max<int64_t>(1, kLanes / group),
+      treadle::decode::kPartTokensTiles, parts);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     static const treadle::amx::TileConfig config;
     _tile_loadconfig(&config);
     SeqWork<kHalves> work(st);
-    for (int64_t idx = next++; idx < num_seqs * items_per_seq; idx = next++) {
-      const int64_t kv0 = (idx % items_per_seq) * per_item;
-      work.run(idx / items_per_seq, kv0, std::min(per_item, num_kv_heads - kv0));
-    }
+    for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) work.run(items[idx], parts);
     _tile_release();
   });
+  if (!parts.out.empty()) treadle::decode::merge_parts(parts, st.lens, num_seqs, st.out, st.o_seq, st.o_head);
 }
 
 }  // namespace

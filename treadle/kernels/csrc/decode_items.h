@@ -90,7 +90,7 @@ inline void row_offsets(const int32_t* table, int64_t t0, int64_t t1, int64_t bl
 }
 
 // Where an item of a split sequence writes its output: its part row, at its first query head.
-inline float* part_out(const WorkItem& it, int64_t group, Parts& parts) {
+inline float* part_row(const WorkItem& it, int64_t group, Parts& parts) {
   return it.part < 0 ? nullptr : parts.out_of(it.part, it.kv0 * group);
 }
 

@@ -49,14 +49,14 @@ struct Call {
 
 // A work item (decode_items.h): a sequence's tokens t0..t0 + len and a run of its KV heads,
 // with its heads' scaled queries in qf and room for their scores. offs[t] is token t0 + t's
-// row in the caches. Its output goes to out, or to its part row `part` [head][head_dim] when
-// the sequence is split.
+// row in the caches. Its output goes to out, or to `part_row` [head][head_dim] (decode_items.h)
+// when the sequence is split.
 template <typename scalar_t>
 struct Item {
   const Call<scalar_t>& c;
   const int64_t* offs;
   int64_t seq, kv0, kv_heads, len;
-  float* part;
+  float* part_row;
 
   // Token t's row in `cache` at KV head kv0 + g, with the row kPrefetch tokens on requested
   // from memory (`bytes` of it): blocks are scattered, so the hardware prefetcher alone
@@ -74,7 +74,7 @@ struct Item {
   scalar_t* out(int64_t h) const { return c.out + seq * c.o_seq + (kv0 * c.group + h) * c.o_head; }
   // Head h's output, normalized: cast into out, or kept whole in the part's row.
   void store(int64_t h, const float* o) const {
-    if (part) return (void)std::copy(o, o + c.head_dim, part + h * c.head_dim);
+    if (part_row) return (void)std::copy(o, o + c.head_dim, part_row + h * c.head_dim);
     scalar_t* dst = out(h);
     for (int64_t d = 0; d < c.head_dim; ++d) dst[d] = static_cast<scalar_t>(o[d]);
   }
@@ -328,7 +328,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       treadle::decode::row_offsets(c.tables + w.seq * c.max_blocks, w.t0, w.t1, c.block_size, c.c_block, c.c_tok,
                                    offs);
       const Item<scalar_t> it{c, offs.data(), w.seq, w.kv0, w.kv_heads, w.t1 - w.t0,
-                              treadle::decode::part_out(w, c.group, parts)};
+                              treadle::decode::part_row(w, c.group, parts)};
       const int64_t heads = w.kv_heads * c.group;
       scores.resize(heads * it.len);
       for (int64_t h = 0; h < heads; ++h) {

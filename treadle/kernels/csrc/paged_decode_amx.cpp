@@ -48,11 +48,11 @@ struct Step {
 
 // out[HT heads][32 * kHalves dims] for KV head g, its first lane h0: sum over token pairs of
 // (p_t, p_t+1) . (v_t, v_t+1), then divided by the lane's sum. Accumulators in registers. Cast
-// into dst, or kept whole in `part` (the item's part row) when the sequence is split.
+// into dst, or kept whole in `part_row` (decode_items.h) when the sequence is split.
 template <int kHalves, int HT>
 __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head,
                                             int64_t h0, const uint32_t* pairs, const float* inv_sum,
-                                            bf16* const* dst, float* part) {
+                                            bf16* const* dst, float* part_row) {
   constexpr int D = 2 * kHalves;   // vectors of 16 fp32 in a head's output
   __m512 acc[HT][D];
   for (int i = 0; i < HT; ++i)
@@ -86,7 +86,7 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
     const __m512 inv = _mm512_set1_ps(inv_sum[h0 + i]);
     for (int d = 0; d < D; ++d) {
       const __m512 o = _mm512_mul_ps(acc[i][d], inv);
-      if (part) _mm512_storeu_ps(part + (h0 + i) * 16 * D + 16 * d, o);
+      if (part_row) _mm512_storeu_ps(part_row + (h0 + i) * 16 * D + 16 * d, o);
       else   // rounded to nearest even, as torch's cast
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[i] + 16 * d), (__m256i)_mm512_cvtneps_pbh(o));
     }
@@ -96,12 +96,12 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
 // accumulate_v on the widest tile of at most HT heads that `left` heads fill.
 template <int kHalves, int HT>
 void accumulate_v_tile(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head, int64_t h0, int64_t left,
-                       const uint32_t* pairs, const float* inv_sum, bf16* const* dst, float* part) {
+                       const uint32_t* pairs, const float* inv_sum, bf16* const* dst, float* part_row) {
   if constexpr (HT > 1) {
     if (left < HT)
-      return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, inv_sum, dst, part);
+      return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, inv_sum, dst, part_row);
   }
-  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, inv_sum, dst, part);
+  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, inv_sum, dst, part_row);
 }
 
 // One thread's items (decode_items.h), with its scratch: the queries' B tiles, the scores,
@@ -122,14 +122,14 @@ class SeqWork {
     queries(w.seq);
     scores();
     softmax();
-    float* part = treadle::decode::part_out(w, st_.group, parts);
+    float* part_row = treadle::decode::part_row(w, st_.group, parts);
     for (int64_t g = 0; g < kv_heads_; ++g) {
       for (int64_t h = g * st_.group; h < (g + 1) * st_.group; h += kHeadTile) {
         bf16* dst[kHeadTile];
         for (int64_t i = 0; i < std::min<int64_t>(kHeadTile, (g + 1) * st_.group - h); ++i)
           dst[i] = st_.out + w.seq * st_.o_seq + (kv0_ * st_.group + h + i) * st_.o_head;
         accumulate_v_tile<kHalves, kHeadTile>(st_, offs_.data(), len_, kv0_ + g, h, (g + 1) * st_.group - h,
-                                              pairs_.data(), inv_sum_, dst, part);
+                                              pairs_.data(), inv_sum_, dst, part_row);
       }
     }
     treadle::decode::keep_softmax(w, st_.group, max_, sum_, parts);

@@ -101,6 +101,16 @@ def test_smollm2_multi_turn_extends_earlier_output(smollm2_llm, smollm2_path, re
     assert out2.num_cached_tokens >= (len(first) + MAX_TOKENS) // block * block - block
 
 
+def test_smollm2_long_context_decodes_in_parts(smollm2_llm, smollm2_path, reference):
+    """A context past 1,024 tokens: the decode kernel splits it into parts that the threads
+    share and merges them (kernels/csrc/decode_items.h), beside a short prompt that it does not
+    split."""
+    smollm2_llm.reset_prefix_cache()
+    long_ids, short_ids = prompt_ids(smollm2_llm, [" ".join(TEXTS * 14), TEXTS[2]])
+    assert len(long_ids) > 1024
+    assert_matches_reference(smollm2_llm, reference(smollm2_path), [long_ids, short_ids])
+
+
 def test_smollm2_chunked_preempted_mixed_lengths(smollm2_path, reference):
     llm = LLM(smollm2_path, max_num_batched_tokens=32, block_size=16, num_kv_blocks=14, max_num_seqs=4)
     assert_matches_reference(llm, reference(smollm2_path), prompt_ids(llm), max_tokens=32)

@@ -1,7 +1,8 @@
 """The layer stack (models/layer_stack.py): a stage's layers in one C++ call per step. It must
 compute the Python layers' bits exactly, so greedy tokens and every logprob agree with the
-stack on and off: for each architecture, with int8, at batch sizes on each side of the few-row
-kernels' limits (the stack then takes oneDNN's packed GEMM, as the Python layers do), and in
+stack on and off: for each architecture, with int8, in bf16 (on AMX tiles where the CPU has
+them), at batch sizes on each side of the few-row kernels' limits (the stack then takes
+oneDNN's packed GEMM, as the Python layers do), and in
 steps of prefill chunks alone and of chunks beside decodes; and it must actually run."""
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import pytest
 import torch
 
 from treadle import LLM, SamplingParams
+from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import layer_stack, linear
 
 CPU = torch.device("cpu")
 needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
+HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu._cpu_flags().split())
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 11, [42, 17, 99, 5, 23, 64, 1000],
            [5, 4, 3], [900, 901], [31, 41, 59, 26, 53], [2718, 28]]
@@ -36,9 +39,10 @@ def _runs(llm: LLM) -> list:
 
 
 @needs_native
-@pytest.mark.parametrize("arch, quantization", [("llama", None), ("qwen2", None), ("qwen3", None),
-                                                ("llama", "int8")])
-def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, arch, quantization):
+@pytest.mark.parametrize("arch, quantization, dtype", [("llama", None, "float32"), ("qwen2", None, "float32"),
+                                                       ("qwen3", None, "float32"), ("llama", "int8", "float32"),
+                                                       ("llama", None, "bfloat16")])   # on AMX tiles, where there are
+def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, arch, quantization, dtype):
     steps = []   # (decodes, prefill rows) of each step the stack ran
     run_stack = layer_stack.forward
 
@@ -48,10 +52,12 @@ def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, ar
 
     monkeypatch.setattr(layer_stack, "forward", counted)
     llm = LLM(tiny_checkpoints[arch], quantization=quantization, enable_prefix_caching=False,
-              max_num_batched_tokens=16, block_size=16)
+              max_num_batched_tokens=16, block_size=16, dtype=dtype)
     model = llm.engine.core.executor.worker.runner.model
     try:
         assert model.layer_stack is not None and model.layer_stack.num_layers() == 3
+        tiled = model.model.layers[0].mlp.down_proj.tiles is not None
+        assert tiled == (dtype == "bfloat16" and HAS_AMX)
         with_stack = _runs(llm)
         decode_rows = {d for d, p in steps if p == 0}
         assert {1, linear.SMALL_ROWS, len(PROMPTS)} <= decode_rows
@@ -97,14 +103,14 @@ def test_stack_pads_gemm_rows_as_the_python_layers_do():
 
 @needs_native
 def test_stack_refuses_what_it_cannot_run():
-    stack = torch.classes.treadle.LayerStack(4, 2, 16, 1e-6, 0.25, 4, 6)   # hidden 64: q 64, k and v 32
+    stack = torch.classes.treadle.LayerStack(4, 2, 16, 1e-6, 0.25, 4, 6, 2, 96)   # hidden 64: q 64, k and v 32
     qkv, o, gate_up, down = torch.zeros(128, 64), torch.zeros(64, 64), torch.zeros(256, 64), torch.zeros(64, 128)
     with pytest.raises(RuntimeError, match="add_layer first"):
-        stack.add_linear(qkv, None, None, None, None)
+        stack.add_linear(qkv, None, None, None, None, None)
     stack.add_layer(torch.ones(64), torch.ones(64), None, None)
     with pytest.raises(RuntimeError, match="both q and scales"):
-        stack.add_linear(qkv, None, torch.zeros(128, 64, dtype=torch.int8), None, None)
-    stack.add_linear(qkv, None, None, None, None)
+        stack.add_linear(qkv, None, torch.zeros(128, 64, dtype=torch.int8), None, None, None)
+    stack.add_linear(qkv, None, None, None, None, None)
     one = torch.ones(1, dtype=torch.int32)
 
     def forward(caches, slot, tokens=1, decode=(torch.zeros(1, 1, dtype=torch.int32), one), prefill=(None,) * 3):
@@ -115,7 +121,7 @@ def test_stack_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="lacks linears"):
         forward([cache], 0)
     for weight in (o, gate_up, down):
-        stack.add_linear(weight, None, None, None, None)
+        stack.add_linear(weight, None, None, None, None, None)
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
         forward([], 0)
     with pytest.raises(RuntimeError, match="out of range"):

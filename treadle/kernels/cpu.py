@@ -13,6 +13,9 @@
   at about half that rate.
 - `int8_rows_linear`: the same over weight-only int8 rows (`quantization="int8"`,
   `linear.INT8_ROWS`).
+- `tiles_linear`: a bf16 linear layer on AMX tiles from a few rows to a few dozen (decode at
+  larger batch; `linear.TILE_FROM_ROWS`, `linear.TILE_ROWS`), over the weight packed once as
+  tiles (`pack_linear_tiles`), where the CPU has AMX.
 - `LayerStack` (a class): a stage's decoder layers over these kernels in one call per step
   (models/layer_stack.py).
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch

@@ -26,7 +26,8 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
     attn = layers[0].self_attn
     stack = torch.classes.treadle.LayerStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                              layers[0].input_layernorm.eps, attn.attn.scale,
-                                             linear.SMALL_ROWS, linear.INT8_ROWS)
+                                             linear.SMALL_ROWS, linear.INT8_ROWS,
+                                             linear.TILE_FROM_ROWS, linear.TILE_ROWS)
     for layer in layers:
         a = layer.self_attn
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -39,7 +40,7 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
 
 def _add_linear(stack: torch.ScriptObject, lin: Linear) -> None:
     q, scales = lin.int8.tensors if lin.int8 is not None else (None, None)
-    stack.add_linear(lin.weight, lin.bias, q, scales, lin.packed)
+    stack.add_linear(lin.weight, lin.bias, q, scales, lin.packed, lin.tiles)
 
 
 def serves(meta: AttentionMetadata) -> bool:

@@ -1,5 +1,6 @@
-"""Linear layers whose weights are packed once for oneDNN on CPU, and optionally quantized to
-weight-only int8 for the few-row kernel.
+"""Linear layers whose weights are packed once for oneDNN on CPU, packed as AMX tiles for the
+tile kernel in bf16 where the CPU has them, and optionally quantized to weight-only int8 for
+the few-row kernel.
 
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight matrix on every call. At decode
 batch sizes that packing costs about as much as the multiply. A weight packed once into
@@ -54,18 +55,30 @@ INT8_ROWS = 6
 INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0)
 
 
+# Rows from which and up to which the AMX tile kernel `tiles_linear` (bf16) serves: in a
+# SmolLM2 decode step it beat the few-row kernel from 3 rows (level at 2) and oneDNN's packed
+# GEMM up to 96 rows (level at 128) (docs/benchmarks.md).
+TILE_FROM_ROWS = 2
+TILE_ROWS = 96
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None, native: bool = False,
-           int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x @ weight.T + bias: the C++ kernels at a few rows where `native` (on the int8 copy
-    where there is one), else the packed GEMM where there is a packed weight, else torch's."""
-    if native and int8 is not None and x.shape[0] <= INT8_ROWS:
+           int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+           tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias where `native`: the int8 copy at a few rows where there is one,
+    the tile kernel from TILE_FROM_ROWS to TILE_ROWS where the weight has tiles, the few-row
+    kernel up to SMALL_ROWS; else the packed GEMM where there is a packed weight, else torch's.
+    The layer stack (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
+    rows = x.shape[0]
+    if native and int8 is not None and rows <= INT8_ROWS:
         return torch.ops.treadle.int8_rows_linear(x, *int8, bias)
-    if native and x.shape[0] <= SMALL_ROWS:
+    if native and tiles is not None and TILE_FROM_ROWS <= rows <= TILE_ROWS:
+        return torch.ops.treadle.tiles_linear(x, tiles, bias)
+    if native and rows <= SMALL_ROWS:
         return _small_rows_linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
-    rows = x.shape[0]
     padded = gemm_rows(rows)
     if padded != rows:
         x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
@@ -83,11 +96,14 @@ def warm_up_gemms(model: nn.Module, max_rows: int) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and module.packed is not None:
             by_shape.setdefault((tuple(module.weight.shape), module.bias is not None), module)
-    counts = sorted({gemm_rows(r) for r in range(SMALL_ROWS + 1, max_rows + 1)})
+    ran = 0
     for module in by_shape.values():
-        for rows in counts:
+        # the tile kernel serves its rows: no GEMM for them to warm up
+        first = TILE_ROWS + 1 if module.tiles is not None else SMALL_ROWS + 1
+        for rows in sorted({gemm_rows(r) for r in range(first, max_rows + 1)}):
             linear(module.weight.new_zeros(rows, module.in_features), module.weight, module.bias, module.packed)
-    return len(by_shape) * len(counts)
+            ran += 1
+    return ran
 
 
 def gemm_rows(rows: int) -> int:
@@ -109,10 +125,11 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     native = False
     int8: Int8Weight | None = None
+    tiles: torch.Tensor | None = None   # the weight as AMX tiles (bf16), once `native`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.native,
-                      self.int8.tensors if self.int8 is not None else None)
+                      self.int8.tensors if self.int8 is not None else None, self.tiles)
 
 
 class Int8Weight:
@@ -171,8 +188,27 @@ def pack_weights(model: nn.Module, device: torch.device) -> int:
     return count
 
 
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight as the tile kernel's AMX tiles, or None where the CPU, the process, the
+    dtype (bf16 only) or the shape does not allow them."""
+    if not torch.ops.treadle.linear_tiles_ready(weight):
+        return None
+    return torch.ops.treadle.pack_linear_tiles(weight.detach())
+
+
+def pack_weight_tiles(model: nn.Module) -> int:
+    """(Re)pack the tiles of every `Linear` that runs the C++ kernels; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.native:
+            module.tiles = pack_tiles(module.weight)
+            count += module.tiles is not None
+    return count
+
+
 def unpack_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed = None
             module.int8 = None
+            module.tiles = None

@@ -167,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
+        self._tiles_head: torch.Tensor | None = None   # the head as AMX tiles, once native
         # int8 copy of the head; on a first stage of several with a tied head, of the embedding
         self._int8_head: linear.Int8Weight | None = None
         self.native_head = False   # the head through the C++ kernel at a few rows
@@ -217,7 +218,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         int8 = self._int8_head.tensors if self._int8_head is not None else None
-        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head, int8)
+        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head, int8,
+                               self._tiles_head)
         return self.ctx.all_gather_last_dim(logits).float()
 
     def pack_weights(self) -> None:
@@ -239,7 +241,19 @@ class LlamaForCausalLM(nn.Module):
         elif linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
+        self._pack_tiles()
         self.layer_stack = layer_stack.build(self)   # over the new int8 copies, if any
+
+    def _pack_tiles(self) -> None:
+        """The AMX tiles of the weights the C++ kernels read, where the CPU has them (bf16)."""
+        if not self.native_head:
+            return
+        linear.pack_weight_tiles(self)
+        self._tiles_head = None
+        if self.lm_head is not None:
+            self._tiles_head = self.lm_head.tiles
+        elif self.ctx.is_last_stage:
+            self._tiles_head = linear.pack_tiles(self._head_weight())
 
     def use_cpu_kernels(self) -> None:
         """Run RMSNorm, RoPE and SiLU-and-mul through the fused C++ ops (treadle/kernels/cpu.py),
@@ -248,12 +262,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP, linear.Linear)):
                 module.native = True
         self.native_head = True
+        self._pack_tiles()
         self.layer_stack = layer_stack.build(self)
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)
         self._packed_head = None
         self._int8_head = None
+        self._tiles_head = None
         self.layer_stack = None
         self.is_packed = False
 

@@ -23,9 +23,10 @@
 
 namespace {
 
-// Rows up to which each few-row kernel serves (models/linear.py's SMALL_ROWS and INT8_ROWS).
+// Rows up to which each few-row kernel serves, and from which the tile kernel does
+// (models/linear.py's SMALL_ROWS, INT8_ROWS, TILE_FROM_ROWS and TILE_ROWS).
 struct RowLimits {
-  int64_t small_rows, int8_rows;
+  int64_t small_rows, int8_rows, tile_from_rows, tile_rows;
 };
 
 // models/linear.py's gemm_rows: the row count a packed GEMM runs at (rounded up to 1/16 of its
@@ -57,11 +58,14 @@ struct StackLinear {
   c10::optional<at::Tensor> bias;
   c10::optional<at::Tensor> q, scales;   // weight-only int8, where the model has it
   c10::optional<at::Tensor> packed;      // oneDNN's packed copy, where there is one
+  c10::optional<at::Tensor> tiles;       // the weight as AMX tiles (bf16), where there are any
 
   // The same choice as models/linear.py's linear(), so the same bits.
   at::Tensor operator()(const at::Tensor& x, const RowLimits& limits) const {
     const int64_t rows = x.size(0);
     if (q.has_value() && rows <= limits.int8_rows) return treadle::int8_rows_linear(x, *q, *scales, bias);
+    if (tiles.has_value() && rows >= limits.tile_from_rows && rows <= limits.tile_rows)
+      return treadle::tiles_linear(x, *tiles, bias);
     if (rows <= limits.small_rows) return treadle::small_rows_linear(x, weight, bias);
     return packed.has_value() ? packed_linear(x, *packed, bias) : at::linear(x, weight, bias);
   }
@@ -76,9 +80,9 @@ struct StackLayer {
 class LayerStack : public torch::CustomClassHolder {
  public:
   LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-             int64_t small_rows, int64_t int8_rows)
+             int64_t small_rows, int64_t int8_rows, int64_t tile_from_rows, int64_t tile_rows)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        limits_{small_rows, int8_rows} {}
+        limits_{small_rows, int8_rows, tile_from_rows, tile_rows} {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm) {
@@ -88,10 +92,11 @@ class LayerStack : public torch::CustomClassHolder {
 
   // The current layer's next linear: qkv, o, gate_up, down, in that order.
   void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> q,
-                  c10::optional<at::Tensor> scales, c10::optional<at::Tensor> packed) {
+                  c10::optional<at::Tensor> scales, c10::optional<at::Tensor> packed,
+                  c10::optional<at::Tensor> tiles) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "add_layer first, then its 4 linears");
     TORCH_CHECK(q.has_value() == scales.has_value(), "int8 needs both q and scales");
-    layers_.back().linears.push_back({weight, bias, q, scales, packed});
+    layers_.back().linears.push_back({weight, bias, q, scales, packed, tiles});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -177,7 +182,7 @@ class LayerStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.class_<LayerStack>("LayerStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &LayerStack::add_layer)
       .def("add_linear", &LayerStack::add_linear)
       .def("num_layers", &LayerStack::num_layers)

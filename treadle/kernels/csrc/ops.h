@@ -11,6 +11,13 @@ at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const c10
 at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& bias);
 
+// linear_tiles.cpp: y = x @ w.T + bias in bf16 on AMX tiles, over the weight as
+// pack_linear_tiles packs it, where linear_tiles_ready says the CPU, the process and the
+// weight's shape allow.
+bool linear_tiles_ready(const at::Tensor& w);
+at::Tensor pack_linear_tiles(const at::Tensor& w);
+at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+
 // fused_ops.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

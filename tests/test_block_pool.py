@@ -22,9 +22,26 @@ def test_free_queue_is_lru_and_null_block_is_reserved():
     assert pool.num_free_blocks == 5
     a = pool.get_new_blocks(3)
     assert [b.block_id for b in a] == [1, 2, 3]
+    for i, b in enumerate(a):
+        pool.cache_block(b, bytes([i]))
     pool.free_blocks(reversed(a))               # tail first: 3, 2, 1
     assert [b.block_id for b in pool.free_queue] == [4, 5, 3, 2, 1]
     assert pool.null_block.block_id == 0 and pool.null_block not in list(pool.free_queue)
+    pool.check_invariants()
+
+
+def test_blocks_that_cache_nothing_are_handed_out_first():
+    """Before any cached block (its prefix kept longer), and most recently freed first: memory
+    already touched, where a never-used block page-faults on its first write."""
+    pool = BlockPool(8)
+    a = pool.get_new_blocks(4)
+    pool.cache_block(a[0], b"\x00")
+    pool.cache_block(a[1], b"\x01")
+    pool.free_blocks(reversed(a))   # 4 and 3 cache nothing; 2 and 1 do
+    assert [b.block_id for b in pool.free_queue] == [3, 4, 5, 6, 7, 2, 1]
+    again = pool.get_new_blocks(3)
+    assert [b.block_id for b in again] == [3, 4, 5]
+    assert pool.get_cached_block(b"\x00") is a[0] and pool.get_cached_block(b"\x01") is a[1]
     pool.check_invariants()
 
 

@@ -1,4 +1,11 @@
-"""Physical KV blocks: reference counts, an LRU free queue and the prefix-hash index.
+"""Physical KV blocks: reference counts, a free queue and the prefix-hash index.
+
+The free queue hands out first the freed blocks that cache nothing, most recently freed
+first, then the cached ones, least recently freed first (LRU). A block with no hash has no
+prefix to keep, so taking it before any cached one keeps prefixes longer; and a block just
+freed is memory already touched, often still in cache, where an untouched one costs a page
+fault per page on its first write (about 1 GB/s on these VMs: 13 ms of a 288-token fp32
+prompt; docs/benchmarks.md).
 
 Invariants (checked by `check_invariants`, used by tests):
   - a block is in the free queue iff its ref_cnt is 0 (the null block is never in it);
@@ -28,7 +35,7 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks; the head is the least recently freed.
+    """Doubly linked list of free blocks; the head is handed out first.
 
     A linked list (not a deque) so that a prefix hit can pull a block out of the middle in O(1).
     """
@@ -56,10 +63,16 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVCacheBlock | None, block: KVCacheBlock) -> None:
+        assert prev is not None and prev.next_free is not None
+        nxt = prev.next_free
+        prev.next_free, block.prev_free = block, prev
+        block.next_free, nxt.prev_free = nxt, block
         self.num_free_blocks += 1
 
     def __iter__(self):
@@ -114,12 +127,16 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the free queue in the given order."""
+        """Drop one reference each; blocks reaching zero join the free queue in the given order:
+        cached ones at its tail (evicted last), the others at its head (handed out next)."""
         for block in ordered_blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Publish a full block under its hash; the first block to claim a hash keeps it."""

@@ -63,11 +63,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0 and self.num_kv_transfers == 0
 
-    def loaded_block_ids(self) -> list[int]:
-        """Blocks a connector starts writing this step."""
-        return [b for loads in (self.kv_loads, self.async_kv_loads)
-                for _, block_ids, _ in loads.values() for b in block_ids]
-
 
 @dataclass
 class TokenLogprobs:

@@ -108,39 +108,25 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         cfg = self.config.model
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        # Left uninitialised (zeroing gigabytes up front costs seconds). The torch path reads
-        # whole blocks and masks the slots past a sequence's end, which must then be finite
-        # (0 * NaN = NaN), so it zeroes each block when first handed out. The C++ kernels never
-        # let those slots count (a select, or a zero row; the tests fill them with NaN), and
-        # skip it: in bf16 on AMX, zeroing was 10% of a 288-token prompt's TTFT.
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeroed up front, as vLLM does: the torch path reads whole blocks and masks the slots
+        # past a sequence's end, which must then be finite (0 * NaN = NaN); and a page touched
+        # now is not page-faulted in a step. Left to the first write, a 288-token fp32 prompt
+        # paid 13 ms of faults on a fresh server, and memory a VM had never backed cost up to
+        # 2.6 s/GB there (docs/benchmarks.md). Start-up pays about 0.25 s/GB instead.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in self.layers]
-        self._block_zeroed = np.full(self.num_blocks, self.native_kernels, dtype=bool)
-        self._block_zeroed[0] = False
-        self._zero_blocks([0])  # the null block pads every block table
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
-
-    def _zero_blocks(self, block_ids: list[int]) -> None:
-        fresh = [b for b in block_ids if not self._block_zeroed[b]]
-        if not fresh:
-            return
-        index = torch.tensor(fresh, dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
-            cache.index_fill_(1, index, 0)
-        self._block_zeroed[fresh] = True
 
     # -- the step ------------------------------------------------------------------
     def _update_slots(self, so: SchedulerOutput) -> None:
         slots = self.slots
         for rid in so.finished_req_ids:
             slots.remove(rid)
-        new_blocks: list[int] = []
         for new in so.scheduled_new_reqs:
             slot = slots.add(new, self.step)
             if self.grammars is not None:
                 self.grammars.attach(slot, new)
-            new_blocks += new.block_ids
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                              cached.num_computed_tokens):
@@ -148,8 +134,6 @@ class ModelRunner:
             assert slots.num_computed_tokens[slot] == num_computed, (
                 f"{rid}: runner has {slots.num_computed_tokens[slot]} computed, scheduler {num_computed}")
             slots.append_blocks(slot, blocks)
-            new_blocks += blocks
-        self._zero_blocks(new_blocks)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -162,7 +146,6 @@ class ModelRunner:
         connector = self.connector
         connector.bind_connector_metadata(so.kv_connector_metadata)
         finished_sending, finished_recving = connector.get_finished(so.finished_req_ids)
-        self._zero_blocks(so.loaded_block_ids())   # before a load writes them, not after
         connector.start_load_kv()
         out = self._execute(so) if so.total_num_scheduled_tokens else ModelRunnerOutput.empty()
         connector.wait_for_save()

@@ -33,7 +33,7 @@ def _refused_without_amx(w: torch.Tensor) -> bool:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 64, 96])   # whole and partial row blocks
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 64, 96, 300])   # whole and partial row blocks
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (96, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tiles_linear_matches_a_float64_gemm(rows, out_features, in_features, bias):

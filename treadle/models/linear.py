@@ -56,10 +56,11 @@ INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0
 
 
 # Rows from which and up to which the AMX tile kernel `tiles_linear` (bf16) serves: in a
-# SmolLM2 decode step it beat the few-row kernel from 3 rows (level at 2) and oneDNN's packed
-# GEMM up to 96 rows (level at 128) (docs/benchmarks.md).
+# SmolLM2 decode step it beat the few-row kernel from 3 rows (level at 2), and its GEMMs beat
+# oneDNN's packed ones by 20-23% per layer from 288 to 1,024 rows, but not at 2,048 (bf16
+# TTFT at 512 tokens 111 -> 90-100 ms; docs/benchmarks.md).
 TILE_FROM_ROWS = 2
-TILE_ROWS = 96
+TILE_ROWS = 1024
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -1,16 +1,19 @@
-// bf16 linear layers on AMX tiles at decode batch sizes: y[M, N] = x[M, K] @ w[N, K]^T + bias.
+// bf16 linear layers on AMX tiles: y[M, N] = x[M, K] @ w[N, K]^T + bias, from a couple of rows
+// (decode) to about a thousand (prefill chunks).
 //
-// From a few rows to a few dozen, a bf16 linear is bound by reading its weight, and a tile
-// product (16 rows x 16 outputs x 32 inputs) is cheap beside that. oneDNN's GEMM read
-// SmolLM2's weights at 13-15 GB/s at 8-32 rows here, where one core streams 27 GB/s; this
-// keeps each thread on two weight streams, each output tile's weights read once per 32 rows
-// of x (docs/benchmarks.md). Above a few dozen rows the tiles wait on their own loads, and
-// oneDNN takes over (models/linear.py's TILE_ROWS).
+// From a few rows to a few dozen a bf16 linear is bound by reading its weight: oneDNN's GEMM
+// read SmolLM2's weights at 13-15 GB/s at 8-32 rows here, where the tiles stream them at the
+// memory's 20-23. From a few hundred rows it is bound by the tile products, 2.0-2.5 TFLOP/s
+// here against oneDNN's 1.1-2.2 at 288-1,024 rows (it leads again from about 2,048;
+// models/linear.py's TILE_ROWS). Each thread takes a range of output-block pairs (two weight
+// streams), in groups that stay in L2 while every two 16-row blocks of x go by, so each
+// weight is read from memory once and y is written in whole lines (docs/benchmarks.md).
 //
 // The weight is packed once (pack_linear_tiles) as the B tiles of the product: for each block
 // of 16 outputs and each 32 inputs, a 1 KB tile whose row r holds, for each output n, the
-// pair (w[n][2r], w[n][2r + 1]). x is packed per call as A tiles (16 rows x 32 inputs, rows
-// past M zero). Accumulates in fp32 and rounds once, adding the bias first, as a GEMM does.
+// pair (w[n][2r], w[n][2r + 1]). The A tiles (16 rows x 32 inputs) are read from x's rows
+// where they lie; a last, partial block of rows from a copy padded with zero rows.
+// Accumulates in fp32 and rounds once, adding the bias first, as a GEMM does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,14 +40,17 @@ namespace {
 
 // Tokens of weight tiles ahead to request from memory, per stream.
 constexpr int64_t kPrefetchTiles = 4;
+// Bytes of weights a thread keeps in its L2 (2 MiB on the Xeons measured) while rows of x
+// go by them.
+constexpr int64_t kL2Share = 512 << 10;
 
 // Tiles 0-3 accumulate C for (rows m, outputs n) in the order (0,0) (0,1) (1,0) (1,1); A tiles
 // 4 and 5 hold two 16-row blocks of x, B tiles 6 and 7 the two output blocks' weights. MB: how
-// many of the two row blocks are live. `a`: x's packed tiles for the first row block (the
-// second one `a_step` elements on), `b`: the first output block's tiles (the second one
-// `blocks_in` tiles on).
+// many of the two row blocks are live; a0 and a1 point at their first rows, `stride` bytes
+// apart. `b`: the first output block's tiles (the second one `blocks_in` tiles on).
 template <int MB>
-void product(const uint16_t* a, int64_t a_step, const uint16_t* b, int64_t blocks_in, float* c) {
+void product(const uint16_t* a0, int64_t stride0, const uint16_t* a1, int64_t stride1, const uint16_t* b,
+             int64_t blocks_in, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (MB > 1) {
@@ -61,11 +67,11 @@ void product(const uint16_t* a, int64_t a_step, const uint16_t* b, int64_t block
     }
     _tile_loadd(6, b + kb * kTileElems, 64);
     _tile_loadd(7, b1 + kb * kTileElems, 64);
-    _tile_loadd(4, a + kb * kTileElems, 64);
+    _tile_loadd(4, a0 + kb * kTileIn, stride0);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (MB > 1) {
-      _tile_loadd(5, a + a_step + kb * kTileElems, 64);
+      _tile_loadd(5, a1 + kb * kTileIn, stride1);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -78,14 +84,17 @@ void product(const uint16_t* a, int64_t a_step, const uint16_t* b, int64_t block
   }
 }
 
-// 16 fp32 -> 16 bf16 (nearest even), after adding 16 bias values (bf16) if there are any.
-inline void store_row(const float* c, const uint16_t* bias, uint16_t* y) {
-  __m512 v = _mm512_loadu_ps(c);
+// A row's 32 outputs of a pair of output blocks, c0 and c1 (16 fp32 each), as 32 bf16
+// (nearest even) in one 64-byte store, after adding 32 bias values (bf16) if there are any.
+inline void store_row_pair(const float* c0, const float* c1, const uint16_t* bias, uint16_t* y) {
+  __m512 lo = _mm512_loadu_ps(c0), hi = _mm512_loadu_ps(c1);
   if (bias) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias));
-    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+    const __m512i raw = _mm512_loadu_si512(bias);
+    lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16)));
+    hi = _mm512_add_ps(hi, _mm512_castsi512_ps(
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16)));
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+  _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 }  // namespace
@@ -142,40 +151,55 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   if (m == 0) return y;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
   TORCH_CHECK(treadle::amx::tiles_permitted(), "tiles_linear: this process may not use AMX tiles");
-  // x as A tiles: [row block][input block][16 rows][32 inputs], rows past m zero.
-  const int64_t blocks_rows = (m + kTileOut - 1) / kTileOut;
-  at::Tensor a = at::empty({blocks_rows, blocks_in, kTileOut, kTileIn}, x.options());
-  {
-    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    uint16_t* ad = reinterpret_cast<uint16_t*>(a.data_ptr());
-    for (int64_t r = 0; r < blocks_rows * kTileOut; ++r)
-      for (int64_t kb = 0; kb < blocks_in; ++kb) {
-        uint16_t* dst = ad + ((r / kTileOut) * blocks_in + kb) * kTileElems + (r % kTileOut) * kTileIn;
-        if (r < m) std::memcpy(dst, xs + r * x.stride(0) + kb * kTileIn, kTileIn * sizeof(uint16_t));
-        else std::memset(dst, 0, kTileIn * sizeof(uint16_t));
-      }
+  // A tiles are read straight from x's rows; the rows of a last, partial row block from a
+  // copy with zero rows after them.
+  const int64_t blocks_rows = (m + kTileOut - 1) / kTileOut, whole = m / kTileOut;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int64_t x_stride = x.stride(0);
+  at::Tensor tail;
+  if (whole < blocks_rows) {
+    tail = at::zeros({kTileOut, k}, x.options());
+    tail.narrow(0, 0, m - whole * kTileOut).copy_(x.narrow(0, whole * kTileOut, m - whole * kTileOut));
   }
-  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const uint16_t* tail_ptr = tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr()) : nullptr;
+  auto rows_of = [&](int64_t rb, int64_t& stride_bytes) {   // row block rb's first row
+    if (rb < whole) {
+      stride_bytes = x_stride * 2;
+      return xp + rb * kTileOut * x_stride;
+    }
+    stride_bytes = k * 2;
+    return tail_ptr;
+  };
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t a_step = blocks_in * kTileElems;
+  const int64_t pair_bytes = 2 * k * kTileOut * 2;   // two output blocks' weights
+  const int64_t group_pairs = std::max<int64_t>(1, kL2Share / pair_bytes);
   at::parallel_for(0, blocks_out / 2, 1, [&](int64_t begin, int64_t end) {
     static const treadle::amx::TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float c[4 * 256];
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t nb = 2 * pair;
-      const uint16_t* b = wp + nb * blocks_in * kTileElems;
-      for (int64_t rb = 0; rb < blocks_rows; rb += 2) {   // two row blocks at a time
+    // A group of weight pairs stays in L2 while every two row blocks of x (in L1) go by it,
+    // each row's outputs written left to right: each weight is read from memory once, and
+    // y is written in whole, consecutive lines.
+    for (int64_t group = begin; group < end; group += group_pairs) {
+      const int64_t group_end = std::min(end, group + group_pairs);
+      for (int64_t rb = 0; rb < blocks_rows; rb += 2) {
         const int live = static_cast<int>(std::min<int64_t>(2, blocks_rows - rb));
-        if (live == 2) product<2>(ap + rb * a_step, a_step, b, blocks_in, c);
-        else product<1>(ap + rb * a_step, a_step, b, blocks_in, c);
-        for (int i = 0; i < live; ++i) {
-          const int64_t row0 = (rb + i) * kTileOut, rows = std::min(kTileOut, m - row0);
-          for (int j = 0; j < 2; ++j)
+        int64_t s0 = 0, s1 = 0;
+        const uint16_t* a0 = rows_of(rb, s0);
+        const uint16_t* a1 = live == 2 ? rows_of(rb + 1, s1) : a0;
+        for (int64_t pair = group; pair < group_end; ++pair) {
+          const int64_t nb = 2 * pair;
+          const uint16_t* b = wp + nb * blocks_in * kTileElems;
+          if (live == 2) product<2>(a0, s0, a1, s1, b, blocks_in, c);
+          else product<1>(a0, s0, a1, s1, b, blocks_in, c);
+          const uint16_t* bias_pair = bias_ptr ? bias_ptr + nb * kTileOut : nullptr;
+          for (int i = 0; i < live; ++i) {
+            const int64_t row0 = (rb + i) * kTileOut, rows = std::min(kTileOut, m - row0);
             for (int64_t r = 0; r < rows; ++r)
-              store_row(c + (2 * i + j) * 256 + r * kTileOut, bias_ptr ? bias_ptr + (nb + j) * kTileOut : nullptr,
-                        yp + (row0 + r) * n + (nb + j) * kTileOut);
+              store_row_pair(c + 2 * i * 256 + r * kTileOut, c + (2 * i + 1) * 256 + r * kTileOut, bias_pair,
+                             yp + (row0 + r) * n + nb * kTileOut);
+          }
         }
       }
     }

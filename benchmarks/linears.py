@@ -1,0 +1,68 @@
+"""treadle's linear kernels on one weight shape at a time: the AMX tile kernel (bf16), oneDNN's
+packed GEMM and the few-row kernel, µs per call (median of --reps after a warm-up) and
+TFLOP/s. In a process with treadle's malloc settings, as the engine runs them.
+
+    .venv/bin/python benchmarks/linears.py [--rows 16,64,288,1024] [--shapes 960x576,3072x576]
+        [--dtype bfloat16]
+
+Shapes are OUTxIN (SmolLM2's qkv, o, gate_up and down by default). Time nothing else while it
+runs: the machine has two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from treadle.kernels.cpu import cpu_kernels_available
+from treadle.models import linear
+from treadle.worker.malloc import keep_freed_memory
+
+
+def median_us(fn: Callable[[], object], reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,16,64,288,512,1024,2048")
+    parser.add_argument("--shapes", default="960x576,576x576,3072x576,576x1536")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--reps", type=int, default=10)
+    ns = parser.parse_args()
+    if not cpu_kernels_available(torch.device("cpu")):
+        raise SystemExit("treadle's CPU kernels did not build")
+    keep_freed_memory()
+    dtype = getattr(torch, ns.dtype)
+    print("| shape | rows | kernel | µs | TFLOP/s |\n|---|---|---|---|---|")
+    with torch.inference_mode():
+        for shape in ns.shapes.split(","):
+            out_f, in_f = (int(v) for v in shape.split("x"))
+            w = torch.randn(out_f, in_f, dtype=dtype) / in_f ** 0.5
+            packed, tiles = linear.pack(w), linear.pack_tiles(w)
+            for rows in (int(r) for r in ns.rows.split(",")):
+                x = torch.randn(rows, in_f, dtype=dtype)
+                kernels = {"oneDNN": lambda: linear.linear(x, w, None, packed)}
+                if tiles is not None:
+                    kernels["tiles"] = lambda: torch.ops.treadle.tiles_linear(x, tiles, None)
+                if rows <= 8:
+                    kernels["few-row"] = lambda: torch.ops.treadle.small_rows_linear(x, w, None)
+                for name, fn in kernels.items():
+                    us = median_us(fn, ns.reps)
+                    print(f"| {shape} | {rows} | {name} | {us:.0f} | {2 * rows * out_f * in_f / us / 1e6:.2f} |",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ from torch import nn
 
 from treadle.attention.torch_backend import AttentionMetadata, TorchAttention
 from treadle.distributed.parallel_state import ParallelContext
+from treadle.kernels import hugepages
 from treadle.models import layer_stack, linear
 from treadle.models.linear import Linear
 from treadle.models.parallel import MissingLayer, WeightSharder, embedding, row_linear
@@ -242,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
         self._pack_tiles()
-        self.layer_stack = layer_stack.build(self)   # over the new int8 copies, if any
+        self._place_copies()
+        self.layer_stack = layer_stack.build(self)   # over the new copies
 
     def _pack_tiles(self) -> None:
         """The AMX tiles of the weights the C++ kernels read, where the CPU has them (bf16)."""
@@ -255,15 +257,31 @@ class LlamaForCausalLM(nn.Module):
         elif self.ctx.is_last_stage:
             self._tiles_head = linear.pack_tiles(self._head_weight())
 
+    def _place_copies(self) -> None:
+        """The tile and int8 copies that decode streams, side by side in huge pages
+        (kernels/hugepages.py). oneDNN's packed copies live in its own memory."""
+        if next(self.parameters()).device.type != "cpu":
+            return
+        linears = [m for m in self.modules() if isinstance(m, linear.Linear)]
+        int8s = {id(w): w for w in [m.int8 for m in linears] + [self._int8_head] if w is not None}
+        tensors = [m.tiles for m in linears] + [self._tiles_head]
+        tensors += [t for w in int8s.values() for t in w.tensors]
+        placed = iter(hugepages.gather(tensors))
+        for m in linears:
+            m.tiles = next(placed)
+        self._tiles_head = next(placed)
+        for w in int8s.values():
+            w.tensors = (next(placed), next(placed))
+
     def use_cpu_kernels(self) -> None:
-        """Run RMSNorm, RoPE and SiLU-and-mul through the fused C++ ops (treadle/kernels/cpu.py),
-        which the caller has loaded."""
+        """Run RMSNorm, RoPE, SiLU-and-mul and the linear layers at decode sizes through the C++
+        kernels (treadle/kernels/cpu.py), which the caller has loaded; packs again if packed."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP, linear.Linear)):
                 module.native = True
         self.native_head = True
-        self._pack_tiles()
-        self.layer_stack = layer_stack.build(self)
+        if self.is_packed:
+            self.pack_weights()
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)

@@ -14,6 +14,7 @@ from treadle.config import TreadleConfig, max_steps_in_flight
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.distributed.pipeline import StageLink
+from treadle.kernels import hugepages
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
 from treadle.models import linear
@@ -72,12 +73,13 @@ class ModelRunner:
         model.load_weights(iter_hf_weights(cfg.model))
         self.model = model.to(dtype=self.dtype).eval()
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self._place_parameters()
         # RoPE tables are computed, not loaded, and stay fp32, as in transformers.
         self.model.model.rotary.compute_tables()
         self.model.quantization = cfg.quantization
-        self.model.pack_weights()
         if self.native_kernels:
             self.model.use_cpu_kernels()
+        self.model.pack_weights()
         if self.model.is_packed:
             warm = time.perf_counter()
             ran = linear.warm_up_gemms(self.model, self.config.scheduler.max_num_batched_tokens)
@@ -113,6 +115,8 @@ class ModelRunner:
         # now is not page-faulted in a step. Left to the first write, a 288-token fp32 prompt
         # paid 13 ms of faults on a fresh server, and memory a VM had never backed cost up to
         # 2.6 s/GB there (docs/benchmarks.md). Start-up pays about 0.25 s/GB instead.
+        # In 4 KiB pages: in huge ones, decode attention read K/V faster but the scattered
+        # writes of new K/V took 2-2.5x as long (docs/benchmarks.md, "huge pages").
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in self.layers]
         if self.connector is not None:
@@ -365,6 +369,20 @@ class ModelRunner:
             self._allocate_kv_cache()
 
     def _materialize_weights(self) -> None:
-        for name, param in self.model.named_parameters():
-            shape = self._param_shapes[name]
-            param.data = torch.empty(shape, dtype=param.dtype, device=self.device)
+        named = list(self.model.named_parameters())
+        specs = [(self._param_shapes[name], param.dtype) for name, param in named]
+        if self.device.type == "cpu":   # in huge pages, as at load
+            memory = hugepages.carve(specs)
+        else:
+            memory = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
+        for (_, param), data in zip(named, memory):
+            param.data = data
+
+    def _place_parameters(self) -> None:
+        """On CPU, the parameters side by side in huge pages (kernels/hugepages.py): decode
+        streams them at a few rows, and a tied head's at every step."""
+        if self.device.type != "cpu":
+            return
+        params = list(self.model.parameters())
+        for param, data in zip(params, hugepages.gather([p.data for p in params])):
+            param.data = data

@@ -1,0 +1,77 @@
+"""Weights in huge pages (treadle/kernels/hugepages.py): the copies hold the same values, start
+on the boundaries promised, are backed by 2 MiB pages where the kernel allows them, and are
+given back when the last tensor on them goes."""
+
+import gc
+
+import pytest
+import torch
+
+from treadle.kernels import hugepages
+
+
+def _rss_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) >> 10
+
+
+def test_gather_copies_values_once_and_aligns() -> None:
+    a, b = torch.randn(300, 576), torch.randn(7, 5).bfloat16()
+    ga, none, gb, ga_again = hugepages.gather([a, None, b, a])
+    assert none is None and ga_again is ga   # a tensor given twice is copied once
+    assert torch.equal(ga, a) and torch.equal(gb, b)
+    assert ga.is_contiguous() and gb.is_contiguous()
+    assert ga.data_ptr() != a.data_ptr()
+    assert ga.data_ptr() % hugepages.ALIGN == 0 and gb.data_ptr() % hugepages.ALIGN == 0
+    if hugepages.enabled():
+        assert ga.data_ptr() % hugepages.HUGE_PAGE == 0   # the region's start
+
+
+def test_carve_lays_tensors_side_by_side() -> None:
+    x, y = hugepages.carve([((3, 5), torch.float32), ((4,), torch.bfloat16)])
+    assert x.shape == (3, 5) and x.dtype == torch.float32 and y.shape == (4,) and y.dtype == torch.bfloat16
+    assert y.data_ptr() - x.data_ptr() == hugepages.ALIGN   # 60 bytes, rounded up to a line
+    x.fill_(1.0)
+    y.fill_(2.0)
+    assert x.sum().item() == 15 and y.sum().item() == 8
+    assert hugepages.region(0).numel() == 0
+
+
+def test_region_is_backed_by_huge_pages_and_given_back() -> None:
+    gc.collect()
+    before_huge, before_rss = hugepages.huge_bytes(), _rss_mib()
+    memory = hugepages.region(64 << 20).fill_(1)
+    if hugepages.enabled():   # THP at "madvise" or "always"
+        assert hugepages.huge_bytes() - before_huge >= 60 << 20
+    view = memory[1 << 20:]
+    del memory
+    gc.collect()
+    assert view[0].item() == 1   # a view keeps the mapping
+    assert _rss_mib() - before_rss >= 60
+    del view
+    gc.collect()
+    assert _rss_mib() - before_rss < 16
+    assert hugepages.huge_bytes() - before_huge < 4 << 20
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREADLE_HUGEPAGES", "0")
+    assert not hugepages.enabled()
+    memory = hugepages.region(4 << 20)
+    assert memory.numel() == 4 << 20   # ordinary memory, same contract
+
+
+def test_engine_places_parameters_and_tile_copies(smollm2_path) -> None:
+    from treadle import LLM
+    llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=512, enable_prefix_caching=False)
+    runner = llm.engine.core.executor.worker.runner
+    model = runner.model
+    params = list(model.parameters())
+    # One region: the parameters lie side by side, each on a cache line.
+    starts = sorted(p.data_ptr() for p in params)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    assert all(s % hugepages.ALIGN == 0 for s in starts)
+    assert starts[-1] - starts[0] < nbytes + hugepages.ALIGN * len(params)
+    tiles = [m.tiles for m in model.modules() if getattr(m, "tiles", None) is not None]
+    for t in tiles:   # only on a CPU with AMX; elsewhere there are none to place
+        assert t.data_ptr() % hugepages.ALIGN == 0

@@ -64,14 +64,16 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_engine_places_parameters_and_tile_copies(smollm2_path) -> None:
     from treadle import LLM
     llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=512, enable_prefix_caching=False)
-    runner = llm.engine.core.executor.worker.runner
-    model = runner.model
-    params = list(model.parameters())
-    # One region: the parameters lie side by side, each on a cache line.
-    starts = sorted(p.data_ptr() for p in params)
-    nbytes = sum(p.numel() * p.element_size() for p in params)
-    assert all(s % hugepages.ALIGN == 0 for s in starts)
-    assert starts[-1] - starts[0] < nbytes + hugepages.ALIGN * len(params)
-    tiles = [m.tiles for m in model.modules() if getattr(m, "tiles", None) is not None]
-    for t in tiles:   # only on a CPU with AMX; elsewhere there are none to place
-        assert t.data_ptr() % hugepages.ALIGN == 0
+    try:
+        model = llm.engine.core.executor.worker.runner.model
+        params = list(model.parameters())
+        # One region: the parameters lie side by side, each on a cache line.
+        starts = sorted(p.data_ptr() for p in params)
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        assert all(s % hugepages.ALIGN == 0 for s in starts)
+        assert starts[-1] - starts[0] < nbytes + hugepages.ALIGN * len(params)
+        tiles = [m.tiles for m in model.modules() if getattr(m, "tiles", None) is not None]
+        for t in tiles:   # only on a CPU with AMX; elsewhere there are none to place
+            assert t.data_ptr() % hugepages.ALIGN == 0
+    finally:
+        llm.shutdown()

@@ -18,6 +18,7 @@ Elsewhere, or where the kernel refuses, the same calls return ordinary memory.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import sys
@@ -96,7 +97,4 @@ def huge_bytes() -> int:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize

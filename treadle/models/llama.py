@@ -243,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
         self._pack_tiles()
-        self._place_copies()
+        if device.type == "cpu":
+            self._place_copies()
         self.layer_stack = layer_stack.build(self)   # over the new copies
 
     def _pack_tiles(self) -> None:
@@ -260,8 +261,6 @@ class LlamaForCausalLM(nn.Module):
     def _place_copies(self) -> None:
         """The tile and int8 copies that decode streams, side by side in huge pages
         (kernels/hugepages.py). oneDNN's packed copies live in its own memory."""
-        if next(self.parameters()).device.type != "cpu":
-            return
         linears = [m for m in self.modules() if isinstance(m, linear.Linear)]
         int8s = {id(w): w for w in [m.int8 for m in linears] + [self._int8_head] if w is not None}
         tensors = [m.tiles for m in linears] + [self._tiles_head]

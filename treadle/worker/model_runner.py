@@ -67,13 +67,15 @@ class ModelRunner:
         model_cls = get_model_class(cfg.hf_config)
         # Built without initial values: the strict load below sets every parameter, so a
         # random init would be wasted (about a second of start-up for SmolLM2).
+        # The parameters get their dtype while still on meta, then their memory (in huge pages
+        # on CPU), and the load converts each tensor as it copies it in: one copy in all.
         with torch.device("meta"):
             model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len, ctx=self.ctx)
-        model.to_empty(device=self.device)
-        model.load_weights(iter_hf_weights(cfg.model))
         self.model = model.to(dtype=self.dtype).eval()
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-        self._place_parameters()
+        model.to_empty(device=self.device)   # the buffers; the parameters get theirs next
+        self._materialize_weights()
+        model.load_weights(iter_hf_weights(cfg.model))
         # RoPE tables are computed, not loaded, and stay fp32, as in transformers.
         self.model.model.rotary.compute_tables()
         self.model.quantization = cfg.quantization
@@ -369,20 +371,14 @@ class ModelRunner:
             self._allocate_kv_cache()
 
     def _materialize_weights(self) -> None:
+        """Uninitialised memory for every parameter, for a load to fill: on CPU side by side in
+        huge pages (kernels/hugepages.py), where decode streams them at a few rows, and a tied
+        head's at every step."""
         named = list(self.model.named_parameters())
         specs = [(self._param_shapes[name], param.dtype) for name, param in named]
-        if self.device.type == "cpu":   # in huge pages, as at load
+        if self.device.type == "cpu":
             memory = hugepages.carve(specs)
         else:
             memory = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
         for (_, param), data in zip(named, memory):
-            param.data = data
-
-    def _place_parameters(self) -> None:
-        """On CPU, the parameters side by side in huge pages (kernels/hugepages.py): decode
-        streams them at a few rows, and a tied head's at every step."""
-        if self.device.type != "cpu":
-            return
-        params = list(self.model.parameters())
-        for param, data in zip(params, hugepages.gather([p.data for p in params])):
             param.data = data

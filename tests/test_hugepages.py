@@ -15,6 +15,20 @@ def _rss_mib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) >> 10
 
 
+def _huge_bytes_of_mapping_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def test_gather_copies_values_once_and_aligns() -> None:
     a, b = torch.randn(300, 576), torch.randn(7, 5).bfloat16()
     ga, none, gb, ga_again = hugepages.gather([a, None, b, a])
@@ -61,11 +75,25 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     assert memory.numel() == 4 << 20   # ordinary memory, same contract
 
 
-def test_engine_places_parameters_and_tile_copies(smollm2_path) -> None:
-    from treadle import LLM
-    llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=512, enable_prefix_caching=False)
+def test_engine_places_parameters_tile_copies_and_bf16_kv_cache(smollm2_path) -> None:
+    from treadle import LLM, SamplingParams
+    llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=512, enable_prefix_caching=False,
+              kv_cache_memory_bytes=64 << 20)
     try:
-        model = llm.engine.core.executor.worker.runner.model
+        runner = llm.engine.core.executor.worker.runner
+        caches = runner.kv_caches
+        # One region, layer after layer, zeroed (the torch path reads slots past a sequence's end).
+        nbytes = caches[0].numel() * caches[0].element_size()
+        assert all(c.dtype == torch.bfloat16 and not c.any() for c in caches)
+        assert all(b.data_ptr() - a.data_ptr() == -(-nbytes // hugepages.ALIGN) * hugepages.ALIGN
+                   for a, b in zip(caches, caches[1:]))
+        if hugepages.enabled():
+            assert caches[0].data_ptr() % hugepages.HUGE_PAGE == 0
+            assert _huge_bytes_of_mapping_at(caches[0].data_ptr()) >= len(caches) * nbytes - (4 << 20)
+        out = llm.generate([{"prompt_token_ids": list(range(100, 140))}],
+                           SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4 and any(c.any() for c in caches)
+        model = runner.model
         params = list(model.parameters())
         # One region: the parameters lie side by side, each on a cache line.
         starts = sorted(p.data_ptr() for p in params)

@@ -117,10 +117,14 @@ class ModelRunner:
         # now is not page-faulted in a step. Left to the first write, a 288-token fp32 prompt
         # paid 13 ms of faults on a fresh server, and memory a VM had never backed cost up to
         # 2.6 s/GB there (docs/benchmarks.md). Start-up pays about 0.25 s/GB instead.
-        # In 4 KiB pages: in huge ones, decode attention read K/V faster but the scattered
-        # writes of new K/V took 2-2.5x as long (docs/benchmarks.md, "huge pages").
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in self.layers]
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            # bf16 K/V in huge pages (kernels/hugepages.py): decode attention read it 25-40%
+            # faster in the engine. fp32 stays in 4 KiB pages, where the new K/V's writes got
+            # slower by about what the attention gained (docs/benchmarks.md, "huge pages, again").
+            self.kv_caches = [c.zero_() for c in hugepages.carve([(shape, self.dtype)] * len(self.layers))]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                              for _ in self.layers]
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
 

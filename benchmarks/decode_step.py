@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/decode_step.py --batch 32 --context 300 [--dtype bfloat16]
         [--tile-rows 0]
 
---tile-rows overrides models/linear.py's TILE_ROWS (0: the AMX tile kernel serves no rows),
+--tile-rows overrides models/linear.py's TILE_ROWS and PANEL_ROWS (0: the AMX tile kernel in
+bf16, or the AVX-512 panel kernel in fp32, serves no rows),
 to compare a kernel path on and off in separate processes, taking turns. Time nothing else
 while it runs: the machine has two cores.
 """
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps to take the median of")
     ns = parser.parse_args()
     if ns.tile_rows is not None:
-        linear.TILE_ROWS = ns.tile_rows   # read when the model builds its layer stack
+        linear.TILE_ROWS = linear.PANEL_ROWS = ns.tile_rows   # read when the model builds its layer stack
     llm = LLM(prepare_model(None), dtype=ns.dtype, enable_prefix_caching=False,
               max_model_len=ns.context + ns.steps + 64)
     executor = llm.engine.core.executor
@@ -56,8 +57,8 @@ def main() -> None:
         prompts = [{"prompt_token_ids": rng.integers(100, 40000, ns.context).tolist()} for _ in range(ns.batch)]
         llm.generate(prompts, params, use_tqdm=False)
     last = step_times[-ns.steps:]
-    print(f"{ns.dtype} batch {ns.batch} at {ns.context} tokens, TILE_ROWS {linear.TILE_ROWS}: "
-          f"decode step median {1000 * statistics.median(last):.1f} ms over {len(last)} steps")
+    print(f"{ns.dtype} batch {ns.batch} at {ns.context} tokens, TILE_ROWS {linear.TILE_ROWS}, "
+          f"PANEL_ROWS {linear.PANEL_ROWS}: decode step median {1000 * statistics.median(last):.1f} ms over {len(last)} steps")
     llm.shutdown()
 
 

@@ -18,6 +18,7 @@ from treadle.models import layer_stack, linear
 CPU = torch.device("cpu")
 needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
 HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu._cpu_flags().split())
+HAS_AVX512 = "avx512f" in cpu._cpu_flags().split()
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 11, [42, 17, 99, 5, 23, 64, 1000],
            [5, 4, 3], [900, 901], [31, 41, 59, 26, 53], [2718, 28]]
@@ -41,7 +42,7 @@ def _runs(llm: LLM) -> list:
 @needs_native
 @pytest.mark.parametrize("arch, quantization, dtype", [("llama", None, "float32"), ("qwen2", None, "float32"),
                                                        ("qwen3", None, "float32"), ("llama", "int8", "float32"),
-                                                       ("llama", None, "bfloat16")])   # on AMX tiles, where there are
+                                                       ("llama", None, "bfloat16")])   # on AMX tiles or panels, where there are
 def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, arch, quantization, dtype):
     steps = []   # (decodes, prefill rows) of each step the stack ran
     run_stack = layer_stack.forward
@@ -57,7 +58,7 @@ def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, ar
     try:
         assert model.layer_stack is not None and model.layer_stack.num_layers() == 3
         tiled = model.model.layers[0].mlp.down_proj.tiles is not None
-        assert tiled == (dtype == "bfloat16" and HAS_AMX)
+        assert tiled == (HAS_AMX if dtype == "bfloat16" else HAS_AVX512)   # AMX tiles, or fp32 panels
         with_stack = _runs(llm)
         decode_rows = {d for d, p in steps if p == 0}
         assert {1, linear.SMALL_ROWS, len(PROMPTS)} <= decode_rows

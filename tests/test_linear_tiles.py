@@ -69,10 +69,10 @@ def test_tiles_linear_takes_strided_rows_and_an_empty_batch():
 def test_tiles_are_for_bf16_weights_of_whole_tiles_on_amx(monkeypatch):
     w = torch.randn(64, 64).bfloat16()
     assert torch.ops.treadle.linear_tiles_ready(w) == HAS_AMX
-    assert not torch.ops.treadle.linear_tiles_ready(w.float())           # bf16 only
+    assert not torch.ops.treadle.linear_tiles_ready(w.double())          # bf16 (fp32: panels)
     assert not torch.ops.treadle.linear_tiles_ready(w[:48].contiguous())  # outputs in pairs of 16
     assert not torch.ops.treadle.linear_tiles_ready(w[:, :48].contiguous())  # inputs in 32s
-    assert linear.pack_tiles(w.float()) is None
+    assert linear.pack_tiles(w.double()) is None
     monkeypatch.setenv("TREADLE_AMX", "0")
     assert not torch.ops.treadle.linear_tiles_ready(w)
     assert linear.pack_tiles(w) is None
@@ -84,7 +84,7 @@ def test_tiles_linear_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="N a multiple of 32"):
         torch.ops.treadle.pack_linear_tiles(w[:48].contiguous())
     with pytest.raises(RuntimeError, match="a bf16"):
-        torch.ops.treadle.pack_linear_tiles(w.float())
+        torch.ops.treadle.pack_linear_tiles(w.double())
     packed = torch.ops.treadle.pack_linear_tiles(w)   # packing needs no AMX, only the layout
     assert packed.shape == (4, 2, 16, 32)
     with pytest.raises(RuntimeError, match="x has 32 inputs, the packed weight 64"):
@@ -92,7 +92,7 @@ def test_tiles_linear_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.treadle.tiles_linear(torch.zeros(2, 64).bfloat16(), packed, torch.zeros(64))
     with pytest.raises(RuntimeError, match="x: bf16"):
-        torch.ops.treadle.tiles_linear(torch.zeros(2, 64), packed, None)
+        torch.ops.treadle.tiles_linear(torch.zeros(2, 64).double(), packed, None)
 
 
 @needs_kernels

@@ -15,7 +15,9 @@
   `linear.INT8_ROWS`).
 - `tiles_linear`: a bf16 linear layer on AMX tiles from a few rows to a few dozen (decode at
   larger batch; `linear.TILE_FROM_ROWS`, `linear.TILE_ROWS`), over the weight packed once as
-  tiles (`pack_linear_tiles`), where the CPU has AMX.
+  tiles (`pack_linear_tiles`), where the CPU has AMX. In fp32 the same calls run an AVX-512
+  kernel over the weight packed as panels of 32 outputs (linear_panels.cpp), from 2 rows to
+  `linear.PANEL_ROWS`.
 - `LayerStack` (a class): a stage's decoder layers over these kernels in one call per step
   (models/layer_stack.py).
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch

@@ -27,7 +27,8 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
     stack = torch.classes.treadle.LayerStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                              layers[0].input_layernorm.eps, attn.attn.scale,
                                              linear.SMALL_ROWS, linear.INT8_ROWS,
-                                             linear.TILE_FROM_ROWS, linear.TILE_ROWS)
+                                             linear.TILE_FROM_ROWS,
+                                             linear.tile_rows(layers[0].input_layernorm.weight.dtype))
     for layer in layers:
         a = layer.self_attn
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

@@ -1,6 +1,6 @@
-"""Linear layers whose weights are packed once for oneDNN on CPU, packed as AMX tiles for the
-tile kernel in bf16 where the CPU has them, and optionally quantized to weight-only int8 for
-the few-row kernel.
+"""Linear layers whose weights are packed once for oneDNN on CPU, packed for the tile kernel
+(AMX tiles in bf16 where the CPU has them, AVX-512 panels in fp32), and optionally quantized
+to weight-only int8 for the few-row kernel.
 
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight matrix on every call. At decode
 batch sizes that packing costs about as much as the multiply. A weight packed once into
@@ -61,6 +61,16 @@ INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0
 # TTFT at 512 tokens 111 -> 90-100 ms; docs/benchmarks.md).
 TILE_FROM_ROWS = 2
 TILE_ROWS = 1024
+# In fp32 the same copy holds AVX-512 panels (kernels/csrc/linear_panels.cpp), up to this many
+# rows: a SmolLM2 layer's four linears took 0.28-0.34 ms against oneDNN's 0.55-0.61 at 2-8
+# rows, 1.15 against 1.67 at 48, 2.97 against 3.11 at 128, but 5.95 against 5.55 at 256
+# (docs/benchmarks.md).
+PANEL_ROWS = 128
+
+
+def tile_rows(dtype: torch.dtype) -> int:
+    """The most rows the tile kernel serves for weights of `dtype`."""
+    return PANEL_ROWS if dtype == torch.float32 else TILE_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -68,13 +78,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            int8: tuple[torch.Tensor, torch.Tensor] | None = None,
            tiles: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias where `native`: the int8 copy at a few rows where there is one,
-    the tile kernel from TILE_FROM_ROWS to TILE_ROWS where the weight has tiles, the few-row
+    the tile kernel from TILE_FROM_ROWS to tile_rows() where the weight has tiles, the few-row
     kernel up to SMALL_ROWS; else the packed GEMM where there is a packed weight, else torch's.
     The layer stack (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
     rows = x.shape[0]
     if native and int8 is not None and rows <= INT8_ROWS:
         return torch.ops.treadle.int8_rows_linear(x, *int8, bias)
-    if native and tiles is not None and TILE_FROM_ROWS <= rows <= TILE_ROWS:
+    if native and tiles is not None and TILE_FROM_ROWS <= rows <= tile_rows(tiles.dtype):
         return torch.ops.treadle.tiles_linear(x, tiles, bias)
     if native and rows <= SMALL_ROWS:
         return _small_rows_linear(x, weight, bias)
@@ -100,7 +110,7 @@ def warm_up_gemms(model: nn.Module, max_rows: int) -> int:
     ran = 0
     for module in by_shape.values():
         # the tile kernel serves its rows: no GEMM for them to warm up
-        first = TILE_ROWS + 1 if module.tiles is not None else SMALL_ROWS + 1
+        first = tile_rows(module.tiles.dtype) + 1 if module.tiles is not None else SMALL_ROWS + 1
         for rows in sorted({gemm_rows(r) for r in range(first, max_rows + 1)}):
             linear(module.weight.new_zeros(rows, module.in_features), module.weight, module.bias, module.packed)
             ran += 1
@@ -126,7 +136,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     native = False
     int8: Int8Weight | None = None
-    tiles: torch.Tensor | None = None   # the weight as AMX tiles (bf16), once `native`
+    tiles: torch.Tensor | None = None   # AMX tiles (bf16) or AVX-512 panels (fp32), once `native`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.native,
@@ -190,8 +200,8 @@ def pack_weights(model: nn.Module, device: torch.device) -> int:
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight as the tile kernel's AMX tiles, or None where the CPU, the process, the
-    dtype (bf16 only) or the shape does not allow them."""
+    """The weight as the tile kernel's AMX tiles (bf16) or AVX-512 panels (fp32), or None
+    where the CPU, the process, the dtype or the shape does not allow them."""
     if not torch.ops.treadle.linear_tiles_ready(weight):
         return None
     return torch.ops.treadle.pack_linear_tiles(weight.detach())

@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
-        self._tiles_head: torch.Tensor | None = None   # the head as AMX tiles, once native
+        self._tiles_head: torch.Tensor | None = None   # the head for the tile kernel, once native
         # int8 copy of the head; on a first stage of several with a tied head, of the embedding
         self._int8_head: linear.Int8Weight | None = None
         self.native_head = False   # the head through the C++ kernel at a few rows
@@ -248,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack = layer_stack.build(self)   # over the new copies
 
     def _pack_tiles(self) -> None:
-        """The AMX tiles of the weights the C++ kernels read, where the CPU has them (bf16)."""
+        """The tile kernel's copies of the weights the C++ kernels read: AMX tiles in bf16 where
+        the CPU has them, AVX-512 panels in fp32."""
         if not self.native_head:
             return
         linear.pack_weight_tiles(self)

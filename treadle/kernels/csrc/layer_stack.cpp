@@ -58,7 +58,7 @@ struct StackLinear {
   c10::optional<at::Tensor> bias;
   c10::optional<at::Tensor> q, scales;   // weight-only int8, where the model has it
   c10::optional<at::Tensor> packed;      // oneDNN's packed copy, where there is one
-  c10::optional<at::Tensor> tiles;       // the weight as AMX tiles (bf16), where there are any
+  c10::optional<at::Tensor> tiles;       // AMX tiles (bf16) or AVX-512 panels (fp32), where there are any
 
   // The same choice as models/linear.py's linear(), so the same bits.
   at::Tensor operator()(const at::Tensor& x, const RowLimits& limits) const {

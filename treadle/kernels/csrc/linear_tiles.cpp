@@ -102,7 +102,10 @@ inline void store_row_pair(const float* c0, const float* c1, const uint16_t* bia
 
 namespace treadle {
 
+// In fp32 the three entry points below hand over to linear_panels.cpp's AVX-512 kernel, so that
+// a weight's blocked copy and its routing (models/linear.py, the layer stack) are one for both.
 bool linear_tiles_ready(const at::Tensor& w) {
+  if (w.scalar_type() == at::kFloat) return linear_panels_ready(w);
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
   return w.scalar_type() == at::kBFloat16 && shape_fits(w) && treadle::amx::tiles_permitted();
 #else
@@ -112,6 +115,7 @@ bool linear_tiles_ready(const at::Tensor& w) {
 }
 
 at::Tensor pack_linear_tiles(const at::Tensor& w) {
+  if (w.scalar_type() == at::kFloat) return pack_linear_panels(w);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && shape_fits(w),
               "pack_linear_tiles: a bf16 [N, K] weight with N a multiple of 32 and K of 32");
   const at::Tensor wc = w.contiguous();
@@ -133,6 +137,7 @@ at::Tensor pack_linear_tiles(const at::Tensor& w) {
 }
 
 at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  if (x.scalar_type() == at::kFloat) return panels_linear(x, packed, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bf16 [M, K], rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
               packed.size(0) % 2 == 0 && packed.size(2) == kTileOut && packed.size(3) == kTileIn,

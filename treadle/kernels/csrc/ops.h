@@ -13,10 +13,15 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::
 
 // linear_tiles.cpp: y = x @ w.T + bias in bf16 on AMX tiles, over the weight as
 // pack_linear_tiles packs it, where linear_tiles_ready says the CPU, the process and the
-// weight's shape allow.
+// weight's shape allow. In fp32 the same three calls run linear_panels.cpp's kernel.
 bool linear_tiles_ready(const at::Tensor& w);
 at::Tensor pack_linear_tiles(const at::Tensor& w);
 at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+
+// linear_panels.cpp: the same in fp32 with AVX-512, over the weight as panels of 32 outputs.
+bool linear_panels_ready(const at::Tensor& w);
+at::Tensor pack_linear_panels(const at::Tensor& w);
+at::Tensor panels_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 // fused_ops.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);

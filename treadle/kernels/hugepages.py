@@ -6,7 +6,7 @@ a VM each miss walks two page tables (the guest's, then the host's). On the 2-co
 one thread read 1 GiB at 4-6 GB/s in 4 KiB pages and 12-13 GB/s in 2 MiB pages, and a bf16
 decode step's linear layers took 18.8 ms against 13.6 at one row, 31.2 against 24.6 at 56
 (docs/benchmarks.md, "weights in huge pages"). A bf16 KV cache is read 25-40% faster here;
-an fp32 one stays out, since its new K/V's writes got slower by as much ("huge pages, again").
+an fp32 one stays out: no gain of its steps was shown ("huge pages, again").
 
 Linux gives a private anonymous mapping transparent huge pages where it is asked to with
 madvise(MADV_HUGEPAGE) before the pages are first touched, and THP is not switched off

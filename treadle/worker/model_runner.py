@@ -119,8 +119,9 @@ class ModelRunner:
         # 2.6 s/GB there (docs/benchmarks.md). Start-up pays about 0.25 s/GB instead.
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             # bf16 K/V in huge pages (kernels/hugepages.py): decode attention read it 25-40%
-            # faster in the engine. fp32 stays in 4 KiB pages, where the new K/V's writes got
-            # slower by about what the attention gained (docs/benchmarks.md, "huge pages, again").
+            # faster in the engine. fp32 stays in 4 KiB pages: its attention alone read them
+            # only 4% faster there, and no step or offline run gained (docs/benchmarks.md,
+            # "huge pages, again").
             self.kv_caches = [c.zero_() for c in hugepages.carve([(shape, self.dtype)] * len(self.layers))]
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps to take the median of")
     ns = parser.parse_args()
     if ns.tile_rows is not None:
-        linear.TILE_ROWS = linear.PANEL_ROWS = ns.tile_rows   # read when the model builds its layer stack
+        # read when the model builds its layer stack
+        linear.TILE_ROWS = linear.PANEL_ROWS = ns.tile_rows
     llm = LLM(prepare_model(None), dtype=ns.dtype, enable_prefix_caching=False,
               max_model_len=ns.context + ns.steps + 64)
     executor = llm.engine.core.executor
@@ -58,7 +59,8 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     last = step_times[-ns.steps:]
     print(f"{ns.dtype} batch {ns.batch} at {ns.context} tokens, TILE_ROWS {linear.TILE_ROWS}, "
-          f"PANEL_ROWS {linear.PANEL_ROWS}: decode step median {1000 * statistics.median(last):.1f} ms over {len(last)} steps")
+          f"PANEL_ROWS {linear.PANEL_ROWS}: decode step median {1000 * statistics.median(last):.1f} ms "
+          f"over {len(last)} steps")
     llm.shutdown()
 
 

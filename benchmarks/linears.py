@@ -1,6 +1,7 @@
 """treadle's linear kernels on one weight shape at a time: the AMX tile kernel (bf16) or the
-AVX-512 panel kernel (fp32; "tiles" in the table), oneDNN's packed GEMM and the few-row kernel, µs per call (median of --reps after a warm-up) and
-TFLOP/s. In a process with treadle's malloc settings, as the engine runs them.
+AVX-512 panel kernel (fp32; "tiles" in the table), oneDNN's packed GEMM and the few-row kernel,
+µs per call (median of --reps after a warm-up) and TFLOP/s. In a process with treadle's malloc
+settings, as the engine runs them.
 
     .venv/bin/python benchmarks/linears.py [--rows 16,64,288,1024] [--shapes 960x576,3072x576]
         [--dtype bfloat16]

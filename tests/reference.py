@@ -1,4 +1,5 @@
-"""The correctness reference: Hugging Face transformers on the same weights, fp32, greedy."""
+"""The correctness reference: Hugging Face transformers on the same weights, fp32, greedy; and
+for the linear kernels alone, the same product in float64."""
 
 from __future__ import annotations
 
@@ -54,3 +55,8 @@ class HFReference:
         logits = self.model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
         lps = torch.log_softmax(logits, dim=-1)
         return lps[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0]
+
+
+def linear_float64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + b in float64, the reference the linear kernels are held to."""
+    return x.double() @ w.double().T + (b.double() if b is not None else 0)

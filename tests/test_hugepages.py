@@ -83,13 +83,13 @@ def test_engine_places_parameters_tile_copies_and_bf16_kv_cache(smollm2_path) ->
         runner = llm.engine.core.executor.worker.runner
         caches = runner.kv_caches
         # One region, layer after layer, zeroed (the torch path reads slots past a sequence's end).
-        nbytes = caches[0].numel() * caches[0].element_size()
+        layer_bytes = caches[0].numel() * caches[0].element_size()
         assert all(c.dtype == torch.bfloat16 and not c.any() for c in caches)
-        assert all(b.data_ptr() - a.data_ptr() == -(-nbytes // hugepages.ALIGN) * hugepages.ALIGN
+        assert all(b.data_ptr() - a.data_ptr() == -(-layer_bytes // hugepages.ALIGN) * hugepages.ALIGN
                    for a, b in zip(caches, caches[1:]))
         if hugepages.enabled():
             assert caches[0].data_ptr() % hugepages.HUGE_PAGE == 0
-            assert _huge_bytes_of_mapping_at(caches[0].data_ptr()) >= len(caches) * nbytes - (4 << 20)
+            assert _huge_bytes_of_mapping_at(caches[0].data_ptr()) >= len(caches) * layer_bytes - (4 << 20)
         out = llm.generate([{"prompt_token_ids": list(range(100, 140))}],
                            SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4 and any(c.any() for c in caches)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.reference import linear_float64
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
@@ -15,10 +16,6 @@ from treadle.models import linear
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
 HAS_AVX512 = "avx512f" in cpu._cpu_flags().split()
-
-
-def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return x.double() @ w.double().T + (b.double() if b is not None else 0)
 
 
 def _refused_without_avx512(w: torch.Tensor) -> bool:
@@ -45,7 +42,7 @@ def test_panels_linear_matches_a_float64_gemm(rows, out_features, in_features, b
     got = torch.ops.treadle.tiles_linear(x, torch.ops.treadle.pack_linear_tiles(w), b)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     # fp32 fused multiply-adds in order over the inputs: a few fp32 ulps of the sum's scale
-    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), linear_float64(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
@@ -57,7 +54,7 @@ def test_panels_linear_takes_strided_rows_and_an_empty_batch():
     x = torch.randn(5, 200)[:, 10:74]   # rows a stride apart, as a slice of a fused tensor is
     packed = torch.ops.treadle.pack_linear_tiles(w)
     assert packed.shape == (2, 64, 32)
-    torch.testing.assert_close(torch.ops.treadle.tiles_linear(x, packed, None).double(), _reference(x, w, None),
+    torch.testing.assert_close(torch.ops.treadle.tiles_linear(x, packed, None).double(), linear_float64(x, w, None),
                                rtol=1e-5, atol=1e-5)
     assert torch.ops.treadle.tiles_linear(x[:0], packed, None).shape == (0, 64)
 
@@ -92,7 +89,7 @@ def test_linear_routes_the_panel_kernels_rows(monkeypatch):
     layer.native = True
     assert linear.pack_weight_tiles(layer) == int(HAS_AVX512)
     for n in counts:
-        torch.testing.assert_close(layer(x[n]).double(), _reference(x[n], layer.weight, layer.bias),
+        torch.testing.assert_close(layer(x[n]).double(), linear_float64(x[n], layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)
     assert calls == ([linear.TILE_FROM_ROWS, linear.PANEL_ROWS] if HAS_AVX512 else [])
     assert linear.tile_rows(torch.float32) == linear.PANEL_ROWS

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.reference import linear_float64
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
@@ -15,10 +16,6 @@ from treadle.models import linear
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
 HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu._cpu_flags().split())
-
-
-def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return x.double() @ w.double().T + (b.double() if b is not None else 0)
 
 
 def _refused_without_amx(w: torch.Tensor) -> bool:
@@ -46,7 +43,7 @@ def test_tiles_linear_matches_a_float64_gemm(rows, out_features, in_features, bi
     assert torch.ops.treadle.linear_tiles_ready(w)
     got = torch.ops.treadle.tiles_linear(x, torch.ops.treadle.pack_linear_tiles(w), b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    want = _reference(x, w, b)
+    want = linear_float64(x, w, b)
     # fp32 sums of exact bf16 products, rounded once to bf16: within an ulp of bf16
     torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-3)
 
@@ -60,7 +57,7 @@ def test_tiles_linear_takes_strided_rows_and_an_empty_batch():
     wide = torch.randn(5, 200).bfloat16()
     x = wide[:, 10:74]   # rows a stride apart, as a slice of a fused tensor is
     packed = torch.ops.treadle.pack_linear_tiles(w)
-    torch.testing.assert_close(torch.ops.treadle.tiles_linear(x, packed, None).double(), _reference(x, w, None),
+    torch.testing.assert_close(torch.ops.treadle.tiles_linear(x, packed, None).double(), linear_float64(x, w, None),
                                rtol=2 ** -7, atol=1e-3)
     assert torch.ops.treadle.tiles_linear(x[:0], packed, None).shape == (0, 64)
 
@@ -109,7 +106,7 @@ def test_linear_routes_the_tile_kernels_rows(monkeypatch):
     layer.native = True
     assert linear.pack_weight_tiles(layer) == int(HAS_AMX)
     for n in counts:
-        torch.testing.assert_close(layer(x[n]).double(), _reference(x[n], layer.weight, layer.bias),
+        torch.testing.assert_close(layer(x[n]).double(), linear_float64(x[n], layer.weight, layer.bias),
                                    rtol=2 ** -7, atol=1e-3)
     assert calls == ([linear.TILE_FROM_ROWS, linear.TILE_ROWS] if HAS_AMX else [])
     layer.native = False   # the Python path without the kernels never takes them

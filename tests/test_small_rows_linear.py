@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.reference import linear_float64
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
 
@@ -24,7 +25,7 @@ def test_small_rows_linear_matches_torch_fp32(rows, in_features, bias):
     x = torch.randn(rows, in_features)
     w = torch.randn(300, in_features)
     b = torch.randn(300) if bias else None
-    expected = (x.double() @ w.double().T + (b.double() if bias else 0)).float()
+    expected = linear_float64(x, w, b).float()
     torch.testing.assert_close(torch.ops.treadle.small_rows_linear(x, w, b), expected,
                                rtol=1e-5, atol=1e-4)
 

@@ -1,7 +1,8 @@
 """treadle's linear kernels on one weight shape at a time: the AMX tile kernel (bf16) or the
-AVX-512 panel kernel (fp32; "tiles" in the table), oneDNN's packed GEMM and the few-row kernel,
-µs per call (median of --reps after a warm-up) and TFLOP/s. In a process with treadle's malloc
-settings, as the engine runs them.
+AVX-512 panel kernel (fp32; "tiles" in the table), in fp32 the AMX kernel over three bf16
+parts ("bf16x3"), oneDNN's packed GEMM and the few-row kernel, µs per call (median of --reps
+after a warm-up) and TFLOP/s. In a process with treadle's malloc settings, as the engine runs
+them.
 
     .venv/bin/python benchmarks/linears.py [--rows 16,64,288,1024] [--shapes 960x576,3072x576]
         [--dtype bfloat16]
@@ -52,11 +53,15 @@ def main() -> None:
             out_f, in_f = (int(v) for v in shape.split("x"))
             w = torch.randn(out_f, in_f, dtype=dtype) / in_f ** 0.5
             packed, tiles = linear.pack(w), linear.pack_tiles(w)
+            bf16x3 = (torch.ops.treadle.pack_linear_bf16x3(w) if torch.ops.treadle.linear_bf16x3_ready(w)
+                      else None)
             for rows in (int(r) for r in ns.rows.split(",")):
                 x = torch.randn(rows, in_f, dtype=dtype)
                 kernels = {"oneDNN": lambda: linear.linear(x, w, None, packed)}
                 if tiles is not None:
                     kernels["tiles"] = lambda: torch.ops.treadle.tiles_linear(x, tiles, None)
+                if bf16x3 is not None:
+                    kernels["bf16x3"] = lambda: torch.ops.treadle.bf16x3_linear(x, bf16x3, None)
                 if rows <= 8:
                     kernels["few-row"] = lambda: torch.ops.treadle.small_rows_linear(x, w, None)
                 for name, fn in kernels.items():

@@ -18,6 +18,9 @@
   tiles (`pack_linear_tiles`), where the CPU has AMX. In fp32 the same calls run an AVX-512
   kernel over the weight packed as panels of 32 outputs (linear_panels.cpp), from 2 rows to
   `linear.PANEL_ROWS`.
+- `bf16x3_linear`: an fp32 linear past `linear.PANEL_ROWS` (prefill) on AMX tiles, each value
+  split into three bf16 parts and six of their products summed in fp32: as precise as an fp32
+  GEMM (linear_bf16x3.cpp), where the CPU has AMX.
 - `LayerStack` (a class): a stage's decoder layers over these kernels in one call per step
   (models/layer_stack.py).
 - `rms_norm`, `silu_and_mul`, `rope_`: one pass over memory each, where the torch

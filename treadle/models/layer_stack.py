@@ -41,7 +41,7 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
 
 def _add_linear(stack: torch.ScriptObject, lin: Linear) -> None:
     q, scales = lin.int8.tensors if lin.int8 is not None else (None, None)
-    stack.add_linear(lin.weight, lin.bias, q, scales, lin.packed, lin.tiles)
+    stack.add_linear(lin.weight, lin.bias, q, scales, lin.packed, lin.tiles, lin.bf16x3)
 
 
 def serves(meta: AttentionMetadata) -> bool:

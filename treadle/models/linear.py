@@ -1,6 +1,7 @@
 """Linear layers whose weights are packed once for oneDNN on CPU, packed for the tile kernel
-(AMX tiles in bf16 where the CPU has them, AVX-512 panels in fp32), and optionally quantized
-to weight-only int8 for the few-row kernel.
+(AMX tiles in bf16 where the CPU has them, AVX-512 panels in fp32, and in fp32 past the panels'
+rows AMX tiles over three bf16 parts of each value), and optionally quantized to weight-only
+int8 for the few-row kernel.
 
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight matrix on every call. At decode
 batch sizes that packing costs about as much as the multiply. A weight packed once into
@@ -66,6 +67,10 @@ TILE_ROWS = 1024
 # rows, 1.15 against 1.67 at 48, 2.97 against 3.11 at 128, but 5.95 against 5.55 at 256
 # (docs/benchmarks.md).
 PANEL_ROWS = 128
+# Past PANEL_ROWS an fp32 weight with AMX tiles runs `bf16x3_linear` (kernels/csrc/
+# linear_bf16x3.cpp): each operand split into three bf16 parts, six of their products summed in
+# fp32, as precise as an fp32 GEMM. It has no upper limit of rows, so such a weight needs no
+# oneDNN copy.
 
 
 def tile_rows(dtype: torch.dtype) -> int:
@@ -76,16 +81,19 @@ def tile_rows(dtype: torch.dtype) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None, native: bool = False,
            int8: tuple[torch.Tensor, torch.Tensor] | None = None,
-           tiles: torch.Tensor | None = None) -> torch.Tensor:
+           tiles: torch.Tensor | None = None, bf16x3: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias where `native`: the int8 copy at a few rows where there is one,
-    the tile kernel from TILE_FROM_ROWS to tile_rows() where the weight has tiles, the few-row
-    kernel up to SMALL_ROWS; else the packed GEMM where there is a packed weight, else torch's.
-    The layer stack (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
+    the tile kernel from TILE_FROM_ROWS to tile_rows() where the weight has tiles, the bf16x3
+    kernel past that where the weight has its parts, the few-row kernel up to SMALL_ROWS; else
+    the packed GEMM where there is a packed weight, else torch's. The layer stack
+    (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
     rows = x.shape[0]
     if native and int8 is not None and rows <= INT8_ROWS:
         return torch.ops.treadle.int8_rows_linear(x, *int8, bias)
     if native and tiles is not None and TILE_FROM_ROWS <= rows <= tile_rows(tiles.dtype):
         return torch.ops.treadle.tiles_linear(x, tiles, bias)
+    if native and bf16x3 is not None and rows > PANEL_ROWS:
+        return torch.ops.treadle.bf16x3_linear(x, bf16x3, bias)
     if native and rows <= SMALL_ROWS:
         return _small_rows_linear(x, weight, bias)
     if packed is None:
@@ -137,10 +145,11 @@ class Linear(nn.Linear):
     native = False
     int8: Int8Weight | None = None
     tiles: torch.Tensor | None = None   # AMX tiles (bf16) or AVX-512 panels (fp32), once `native`
+    bf16x3: torch.Tensor | None = None   # fp32's three bf16 parts as AMX tiles, once `native`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.native,
-                      self.int8.tensors if self.int8 is not None else None, self.tiles)
+                      self.int8.tensors if self.int8 is not None else None, self.tiles, self.bf16x3)
 
 
 class Int8Weight:
@@ -188,13 +197,15 @@ def quantize_weights(model: nn.Module) -> int:
 
 
 def pack_weights(model: nn.Module, device: torch.device) -> int:
-    """(Re)pack every `Linear` of `model`; returns how many were packed."""
+    """(Re)pack every `Linear` of `model` for oneDNN, but for those whose bf16x3 parts will
+    serve every row count past the tile kernel's; returns how many were packed."""
     if not packing_supported(device):
         return 0
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            module.packed = pack(module.weight)
+            takes_bf16x3 = module.native and torch.ops.treadle.linear_bf16x3_ready(module.weight)
+            module.packed = None if takes_bf16x3 else pack(module.weight)
             count += module.packed is not None
     return count
 
@@ -208,11 +219,14 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_weight_tiles(model: nn.Module) -> int:
-    """(Re)pack the tiles of every `Linear` that runs the C++ kernels; returns how many."""
+    """(Re)pack the tiles, and in fp32 the bf16x3 parts, of every `Linear` that runs the C++
+    kernels; returns how many have tiles."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.native:
             module.tiles = pack_tiles(module.weight)
+            module.bf16x3 = (torch.ops.treadle.pack_linear_bf16x3(module.weight.detach())
+                             if torch.ops.treadle.linear_bf16x3_ready(module.weight) else None)
             count += module.tiles is not None
     return count
 
@@ -223,3 +237,4 @@ def unpack_weights(model: nn.Module) -> None:
             module.packed = None
             module.int8 = None
             module.tiles = None
+            module.bf16x3 = None

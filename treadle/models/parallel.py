@@ -37,7 +37,8 @@ class RowParallelLinear(Linear):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(linear.linear(x, self.weight, None, self.packed, self.native))
+        out = self.ctx.all_reduce(linear.linear(x, self.weight, None, self.packed, self.native,
+                                                tiles=self.tiles, bf16x3=self.bf16x3))
         return out if self.bias is None else out + self.bias
 
 

@@ -59,6 +59,7 @@ struct StackLinear {
   c10::optional<at::Tensor> q, scales;   // weight-only int8, where the model has it
   c10::optional<at::Tensor> packed;      // oneDNN's packed copy, where there is one
   c10::optional<at::Tensor> tiles;       // AMX tiles (bf16) or AVX-512 panels (fp32), where there are any
+  c10::optional<at::Tensor> bf16x3;      // fp32 in three bf16 parts on AMX tiles, past the panels' rows
 
   // The same choice as models/linear.py's linear(), so the same bits.
   at::Tensor operator()(const at::Tensor& x, const RowLimits& limits) const {
@@ -66,6 +67,7 @@ struct StackLinear {
     if (q.has_value() && rows <= limits.int8_rows) return treadle::int8_rows_linear(x, *q, *scales, bias);
     if (tiles.has_value() && rows >= limits.tile_from_rows && rows <= limits.tile_rows)
       return treadle::tiles_linear(x, *tiles, bias);
+    if (bf16x3.has_value() && rows > limits.tile_rows) return treadle::bf16x3_linear(x, *bf16x3, bias);
     if (rows <= limits.small_rows) return treadle::small_rows_linear(x, weight, bias);
     return packed.has_value() ? packed_linear(x, *packed, bias) : at::linear(x, weight, bias);
   }
@@ -93,10 +95,10 @@ class LayerStack : public torch::CustomClassHolder {
   // The current layer's next linear: qkv, o, gate_up, down, in that order.
   void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> q,
                   c10::optional<at::Tensor> scales, c10::optional<at::Tensor> packed,
-                  c10::optional<at::Tensor> tiles) {
+                  c10::optional<at::Tensor> tiles, c10::optional<at::Tensor> bf16x3) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "add_layer first, then its 4 linears");
     TORCH_CHECK(q.has_value() == scales.has_value(), "int8 needs both q and scales");
-    layers_.back().linears.push_back({weight, bias, q, scales, packed, tiles});
+    layers_.back().linears.push_back({weight, bias, q, scales, packed, tiles, bf16x3});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

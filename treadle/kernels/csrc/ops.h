@@ -23,6 +23,12 @@ bool linear_panels_ready(const at::Tensor& w);
 at::Tensor pack_linear_panels(const at::Tensor& w);
 at::Tensor panels_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
+// linear_bf16x3.cpp: the same in fp32 on AMX tiles, each operand split into three bf16 parts,
+// over the weight as pack_linear_bf16x3 packs it (prefill sizes).
+bool linear_bf16x3_ready(const at::Tensor& w);
+at::Tensor pack_linear_bf16x3(const at::Tensor& w);
+at::Tensor bf16x3_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+
 // fused_ops.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

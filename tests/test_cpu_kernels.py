@@ -269,7 +269,7 @@ def test_native_decode_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_head
         monkeypatch.setenv("TREADLE_AMX", switch)
         outs[switch], expected = _run_decode(torch.bfloat16, heads, kv_heads, num_seqs, head_dim, block_size)
         torch.testing.assert_close(outs[switch].double(), expected, rtol=2e-2, atol=2e-2)
-    on_tiles = _has_amx() and heads // kv_heads <= 16 and block_size % 16 == 0
+    on_tiles = cpu.cpu_has(*cpu.AMX_FLAGS) and heads // kv_heads <= 16 and block_size % 16 == 0
     assert torch.equal(outs["1"], outs["0"]) != on_tiles
 
 
@@ -405,10 +405,6 @@ def _run_prefill(spans, heads, kv_heads, block_size, dtype, head_dim):
     return out, _dense_prefill(q, k_cache, v_cache, table, query_start, context_lens, scale)
 
 
-def _has_amx() -> bool:
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu._cpu_flags().split())
-
-
 @needs_native
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4)])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 64), (32, 128)])
@@ -421,7 +417,7 @@ def test_native_prefill_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_hea
         monkeypatch.setenv("TREADLE_AMX", switch)
         outs[switch], expected = _run_prefill(PREFILL_SPANS, heads, kv_heads, block_size, torch.bfloat16, head_dim)
         torch.testing.assert_close(outs[switch].double(), expected, rtol=2e-2, atol=2e-2)
-    assert torch.equal(outs["1"], outs["0"]) != _has_amx()
+    assert torch.equal(outs["1"], outs["0"]) != cpu.cpu_has(*cpu.AMX_FLAGS)
 
 
 @needs_native

@@ -17,7 +17,7 @@ from treadle.models import linear
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
-HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(cpu._cpu_flags().split())
+HAS_AMX = cpu.cpu_has(*cpu.AMX_FLAGS)
 
 
 def _refused_without_amx(w: torch.Tensor) -> bool:

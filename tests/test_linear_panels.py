@@ -15,7 +15,7 @@ from treadle.models import linear
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
-HAS_AVX512 = "avx512f" in cpu._cpu_flags().split()
+HAS_AVX512 = cpu.cpu_has("avx512f")
 
 
 def _refused_without_avx512(w: torch.Tensor) -> bool:

@@ -85,6 +85,15 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+# What the AMX kernels need (they are built for the machine's own CPU, -march=native).
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
+
+
+def cpu_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of `flags` (never where it cannot be read)."""
+    return set(flags) <= set(_cpu_flags().split())
+
+
 def kernel_root() -> Path:
     """Where kernel builds live: TREADLE_KERNEL_DIR, else `kernels` in the treadle cache."""
     return Path(os.environ.get("TREADLE_KERNEL_DIR") or Path(cache_root()) / "kernels")

@@ -1,8 +1,10 @@
 """The correctness reference: Hugging Face transformers on the same weights, fp32, greedy; and
-for the linear kernels alone, the same product in float64."""
+for the linear kernels alone, the same product in float64, and what they must do on a CPU
+without their instructions."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -60,3 +62,17 @@ class HFReference:
 def linear_float64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T + b in float64, the reference the linear kernels are held to."""
     return x.double() @ w.double().T + (b.double() if b is not None else 0)
+
+
+def refused_without(has_flags: bool, kernel: str, w: torch.Tensor, match: str) -> bool:
+    """On a CPU without the instructions a linear kernel needs (`has_flags` false): holds its
+    ops (`linear_{kernel}_ready`, `pack_linear_{kernel}`, `{kernel}_linear`) to refusing `w`
+    with an error matching `match`, and says so. Where the CPU has them: False."""
+    if has_flags:
+        return False
+    ops = torch.ops.treadle
+    assert not getattr(ops, f"linear_{kernel}_ready")(w)
+    with pytest.raises(RuntimeError, match=match):
+        getattr(ops, f"{kernel}_linear")(torch.zeros(2, w.shape[1], dtype=w.dtype),
+                                         getattr(ops, f"pack_linear_{kernel}")(w), None)
+    return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.reference import linear_float64
+from tests.reference import linear_float64, refused_without
 from treadle import LLM, SamplingParams
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
@@ -18,15 +18,6 @@ from treadle.models import linear
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
 HAS_AMX = cpu.cpu_has(*cpu.AMX_FLAGS)
-
-
-def _refused_without_amx(w: torch.Tensor) -> bool:
-    if HAS_AMX:
-        return False
-    assert not torch.ops.treadle.linear_bf16x3_ready(w)
-    with pytest.raises(RuntimeError, match="AMX"):
-        torch.ops.treadle.bf16x3_linear(torch.zeros(2, w.shape[1]), torch.ops.treadle.pack_linear_bf16x3(w), None)
-    return True
 
 
 @needs_kernels
@@ -38,7 +29,7 @@ def test_bf16x3_linear_is_as_precise_as_an_fp32_gemm(rows, out_features, in_feat
     w = torch.randn(out_features, in_features) / in_features ** 0.5
     x = torch.randn(rows, in_features)
     b = torch.randn(out_features) if bias else None
-    if _refused_without_amx(w):
+    if refused_without(HAS_AMX, "bf16x3", w, "AMX"):
         return
     assert torch.ops.treadle.linear_bf16x3_ready(w)
     got = torch.ops.treadle.bf16x3_linear(x, torch.ops.treadle.pack_linear_bf16x3(w), b)
@@ -56,7 +47,7 @@ def test_bf16x3_linear_is_as_precise_as_an_fp32_gemm(rows, out_features, in_feat
 def test_bf16x3_linear_takes_strided_rows_and_an_empty_batch():
     torch.manual_seed(0)
     w = torch.randn(64, 64)
-    if _refused_without_amx(w):
+    if refused_without(HAS_AMX, "bf16x3", w, "AMX"):
         return
     x = torch.randn(150, 200)[:, 10:74]   # rows a stride apart, as a slice of a fused tensor is
     packed = torch.ops.treadle.pack_linear_bf16x3(w)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.reference import linear_float64
+from tests.reference import linear_float64, refused_without
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
@@ -16,15 +16,6 @@ from treadle.models import linear
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
 HAS_AVX512 = cpu.cpu_has("avx512f")
-
-
-def _refused_without_avx512(w: torch.Tensor) -> bool:
-    if HAS_AVX512:
-        return False
-    assert not torch.ops.treadle.linear_tiles_ready(w)
-    with pytest.raises(RuntimeError, match="AVX-512"):
-        torch.ops.treadle.tiles_linear(torch.zeros(2, w.shape[1]), torch.ops.treadle.pack_linear_tiles(w), None)
-    return True
 
 
 @needs_kernels
@@ -36,7 +27,7 @@ def test_panels_linear_matches_a_float64_gemm(rows, out_features, in_features, b
     w = torch.randn(out_features, in_features) / in_features ** 0.5
     x = torch.randn(rows, in_features)
     b = torch.randn(out_features) if bias else None
-    if _refused_without_avx512(w):
+    if refused_without(HAS_AVX512, "tiles", w, "AVX-512"):
         return
     assert torch.ops.treadle.linear_tiles_ready(w)
     got = torch.ops.treadle.tiles_linear(x, torch.ops.treadle.pack_linear_tiles(w), b)
@@ -49,7 +40,7 @@ def test_panels_linear_matches_a_float64_gemm(rows, out_features, in_features, b
 def test_panels_linear_takes_strided_rows_and_an_empty_batch():
     torch.manual_seed(0)
     w = torch.randn(64, 64)
-    if _refused_without_avx512(w):
+    if refused_without(HAS_AVX512, "tiles", w, "AVX-512"):
         return
     x = torch.randn(5, 200)[:, 10:74]   # rows a stride apart, as a slice of a fused tensor is
     packed = torch.ops.treadle.pack_linear_tiles(w)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.reference import linear_float64
+from tests.reference import linear_float64, refused_without
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
@@ -16,17 +16,6 @@ from treadle.models import linear
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
 HAS_AMX = cpu.cpu_has(*cpu.AMX_FLAGS)
-
-
-def _refused_without_amx(w: torch.Tensor) -> bool:
-    """On a CPU without AMX: holds the kernel to refusing the weight, and says so."""
-    if HAS_AMX:
-        return False
-    assert not torch.ops.treadle.linear_tiles_ready(w)
-    with pytest.raises(RuntimeError, match="AMX"):
-        torch.ops.treadle.tiles_linear(torch.zeros(2, w.shape[1]).bfloat16(),
-                                       torch.ops.treadle.pack_linear_tiles(w), None)
-    return True
 
 
 @needs_kernels
@@ -38,7 +27,7 @@ def test_tiles_linear_matches_a_float64_gemm(rows, out_features, in_features, bi
     w = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
     x = torch.randn(rows, in_features).bfloat16()
     b = torch.randn(out_features).bfloat16() if bias else None
-    if _refused_without_amx(w):
+    if refused_without(HAS_AMX, "tiles", w, "AMX"):
         return
     assert torch.ops.treadle.linear_tiles_ready(w)
     got = torch.ops.treadle.tiles_linear(x, torch.ops.treadle.pack_linear_tiles(w), b)
@@ -52,7 +41,7 @@ def test_tiles_linear_matches_a_float64_gemm(rows, out_features, in_features, bi
 def test_tiles_linear_takes_strided_rows_and_an_empty_batch():
     torch.manual_seed(0)
     w = torch.randn(64, 64).bfloat16()
-    if _refused_without_amx(w):
+    if refused_without(HAS_AMX, "tiles", w, "AMX"):
         return
     wide = torch.randn(5, 200).bfloat16()
     x = wide[:, 10:74]   # rows a stride apart, as a slice of a fused tensor is

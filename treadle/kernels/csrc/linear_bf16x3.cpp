@@ -164,13 +164,8 @@ at::Tensor bf16x3_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t m = x.size(0), k = x.size(1), blocks_out = packed.size(0), blocks_in = packed.size(1);
   const int64_t n = blocks_out * kTileOut;
   TORCH_CHECK(blocks_in * kTileIn == k, "x has ", k, " inputs, the packed weight ", blocks_in * kTileIn);
-  at::Tensor bias_holder;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_holder = bias->contiguous();
-    TORCH_CHECK(bias_holder.scalar_type() == at::kFloat && bias_holder.numel() == n, "bias: fp32 [N]");
-    bias_ptr = bias_holder.data_ptr<float>();
-  }
+  const at::Tensor bias_holder = linear_bias(bias, at::kFloat, n);
+  const float* bias_ptr = bias_holder.defined() ? bias_holder.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)

@@ -91,13 +91,8 @@ at::Tensor panels_linear(const at::Tensor& x, const at::Tensor& packed, const c1
               packed.size(2) == kPanel, "packed: from pack_linear_panels");
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = panels * kPanel;
   TORCH_CHECK(packed.size(1) == k, "x has ", k, " inputs, the packed weight ", packed.size(1));
-  at::Tensor bias_holder;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_holder = bias->contiguous();
-    TORCH_CHECK(bias_holder.scalar_type() == at::kFloat && bias_holder.numel() == n, "bias: fp32 [N]");
-    bias_ptr = bias_holder.data_ptr<float>();
-  }
+  const at::Tensor bias_holder = linear_bias(bias, at::kFloat, n);
+  const float* bias_ptr = bias_holder.defined() ? bias_holder.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 #ifdef __AVX512F__

@@ -145,13 +145,9 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   const int64_t m = x.size(0), k = x.size(1), blocks_out = packed.size(0), blocks_in = packed.size(1);
   const int64_t n = blocks_out * kTileOut;
   TORCH_CHECK(blocks_in * kTileIn == k, "x has ", k, " inputs, the packed weight ", blocks_in * kTileIn);
-  const uint16_t* bias_ptr = nullptr;
-  at::Tensor bias_holder;
-  if (bias.has_value() && bias->defined()) {
-    bias_holder = bias->contiguous();
-    TORCH_CHECK(bias_holder.scalar_type() == at::kBFloat16 && bias_holder.numel() == n, "bias: bf16 [N]");
-    bias_ptr = reinterpret_cast<const uint16_t*>(bias_holder.data_ptr());
-  }
+  const at::Tensor bias_holder = linear_bias(bias, at::kBFloat16, n);
+  const uint16_t* bias_ptr =
+      bias_holder.defined() ? reinterpret_cast<const uint16_t*>(bias_holder.data_ptr()) : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)

@@ -6,6 +6,15 @@
 
 namespace treadle {
 
+// The bias a linear kernel adds: contiguous and checked to be `dtype` (fp32 or bf16) [n];
+// undefined where there is none. The caller holds it while the kernel reads it.
+inline at::Tensor linear_bias(const c10::optional<at::Tensor>& bias, at::ScalarType dtype, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  at::Tensor b = bias->contiguous();
+  TORCH_CHECK(b.scalar_type() == dtype && b.numel() == n, "bias: ", dtype == at::kFloat ? "fp32" : "bf16", " [N]");
+  return b;
+}
+
 // gemv.cpp: y = x @ w.T + bias at up to 8 rows of x, dense or weight-only int8.
 at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,

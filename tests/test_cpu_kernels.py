@@ -239,7 +239,7 @@ def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size, lens_in_
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
     """A long sequence's parts follow its length alone: alone (an item per KV head and part) or
     beside 39 others (a part's KV heads in one item), its 1,500 tokens give the same bits."""
@@ -274,12 +274,14 @@ def test_native_decode_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_head
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152 + 5])
-def test_native_argmax_answers_as_torch_does(vocab):
+def test_native_argmax_answers_as_torch_does(vocab, dtype):
     """Ties go to the first index, -inf masks and an all -inf row work, a NaN wins at its
-    first place (as in torch), the vocab's tail past 16 lanes counts, rows may be strided."""
+    first place (as in torch), the vocab's tail past 16 lanes counts, rows may be strided;
+    bf16 and fp16 rows answer as their fp32 widening does."""
     torch.manual_seed(vocab)
-    wide = torch.randn(9, vocab + 7)
+    wide = torch.randn(9, vocab + 7).to(dtype)
     logits = wide[:, :vocab]                       # rows 7 floats apart beyond the vocab
     logits[1] = float("-inf")
     logits[2, vocab // 2:] = float("-inf")
@@ -291,13 +293,13 @@ def test_native_argmax_answers_as_torch_does(vocab):
     logits[7, -1] = float("nan")
     logits[8] = 0.0
     logits[8, -1] = -0.0
-    assert torch.equal(torch.ops.treadle.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(torch.ops.treadle.argmax_rows(logits), logits.float().argmax(dim=-1))
 
 
 @needs_native
 def test_native_argmax_refuses_what_it_cannot_take():
-    with pytest.raises(RuntimeError, match="fp32"):
-        torch.ops.treadle.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="fp32, bf16 or fp16"):
+        torch.ops.treadle.argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="contiguous rows"):
         torch.ops.treadle.argmax_rows(torch.zeros(8, 2).t())
     with pytest.raises(RuntimeError, match="empty row"):
@@ -438,7 +440,7 @@ def test_native_prefill_refuses_bad_inputs():
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_attention_matches_the_torch_path(dtype):
     """One step of decodes and prefill chunks through TorchAttention, with the kernels and
     without: the same output, and the same K/V written to the cache."""
@@ -516,7 +518,7 @@ def test_fused_ops_match_the_torch_expressions(dtype, rows):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_stores_what_index_copy_stores(dtype):
     """Each token's K and V into its slot, read from a qkv row as the model hands them over;
     every other slot untouched."""

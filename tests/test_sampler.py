@@ -28,6 +28,26 @@ def test_greedy_takes_the_argmax():
     assert tokens == [2, 0]
 
 
+def test_bf16_logits_give_what_their_fp32_widening_gives():
+    """Rows that only take the argmax read bf16 logits as they are; min_tokens, penalties and
+    logprobs work on the fp32 widening. Mixed in any batch, the answers are the fp32 ones."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = 100.0   # a tie: the first index wins
+    logits[2, 5] = logits[2].max() + 1    # a lead that the penalty below takes away
+    rows = [row(temperature=0),
+            row(temperature=0, eos=int(logits[1].argmax()), min_tokens=3, output=[1]),
+            row(temperature=0, output=[5, 5], frequency_penalty=2.0),
+            row(temperature=0, logprobs=2)]
+    s = Sampler(torch.device("cpu"))
+    assert s(logits[:1], rows[:1])[0] == [7]
+    for batch in ([0], [1], [2], [0, 3], [0, 1, 2, 3]):
+        got = s(logits[batch], [rows[i] for i in batch])
+        assert got == s(logits[batch].float(), [rows[i] for i in batch])
+    # min_tokens and the penalty moved rows 1 and 2 off their argmax
+    assert s(logits[1:3], rows[1:3])[0] != logits[1:3].float().argmax(dim=-1).tolist()
+
+
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
     logits = [[0, 0, 9, 8, 1, 0, 0, 0]]
     assert sample(logits, row(temperature=0, eos=2, min_tokens=2, stop_token_ids=[3], output=[5]))[0] == [4]

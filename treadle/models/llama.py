@@ -218,10 +218,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype: the sampler widens them to fp32 only for the rows that
+        need more than their argmax."""
         int8 = self._int8_head.tensors if self._int8_head is not None else None
         logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head, int8,
                                self._tiles_head)
-        return self.ctx.all_gather_last_dim(logits).float()
+        return self.ctx.all_gather_last_dim(logits)
 
     def pack_weights(self) -> None:
         """Pack the GEMM weights for the device's fastest kernel (see models/linear.py), after

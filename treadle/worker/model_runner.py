@@ -313,7 +313,7 @@ class ModelRunner:
                 out[rid] = (first + 1, [])
                 continue
             rows = torch.arange(int(starts[i]), int(starts[i]) + stop - first, device=self.device)
-            lps = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            lps = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
             targets = self.slots.token_ids[slot, first + 1:stop + 1]
             out[rid] = (first + 1, [token_logprobs(lps[j], int(t), num_top) for j, t in enumerate(targets)])
         return out

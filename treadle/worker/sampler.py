@@ -36,6 +36,14 @@ def _row_generator(gen: torch.Generator, seed: int, position: int) -> torch.Gene
     return gen
 
 
+def _argmax_only(row: SamplingRow) -> bool:
+    """Greedy, with nothing that edits the row's logits (min_tokens still to reach, a penalty)
+    or reads its log-probabilities."""
+    p = row.params
+    return (p.temperature < 1e-5 and p.logprobs is None and len(row.output_ids) >= p.min_tokens
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -43,7 +51,8 @@ class Sampler:
         self._native_argmax = cpu_kernels_available(device)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """torch.argmax(dim=-1), from the C++ kernel on CPU (torch's compares one value at a time)."""
+        """torch.argmax(dim=-1), from the C++ kernel on CPU (torch's compares one value at a time),
+        over fp32, bf16 or fp16 rows."""
         if self._native_argmax and logits.stride(-1) == 1:
             return torch.ops.treadle.argmax_rows(logits)
         return logits.argmax(dim=-1)
@@ -52,7 +61,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  grammar_mask: tuple[torch.Tensor, list[int]] | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """`grammar_mask`: (bitmask, the rows it covers) for rows under structured outputs."""
+        """`grammar_mask`: (bitmask, the rows it covers) for rows under structured outputs.
+        `logits` in the model's dtype: rows that only take the argmax read them as they are (a
+        bf16 or fp16 value widens to fp32 exactly, so the answer is the same); the rest work in
+        fp32."""
+        if grammar_mask is None and all(_argmax_only(r) for r in rows):
+            return self._argmax(logits).tolist(), [None] * len(rows)
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)

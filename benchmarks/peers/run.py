@@ -2,7 +2,7 @@
 after another in one invocation (`make bench-peers`; the peers come from setup.sh).
 
 Offline, per workload and dtype: output tokens/s, wall time, and how many greedy outputs agree
-with treadle's fp32 ones token for token.
+with treadle's fp32 ones token for token; over --offline-rounds rounds, the medians.
   - treadle and vLLM run their offline APIs, each in a process of its own (engines/);
   - llama.cpp runs `llama-server` with one slot per request, all requests sent at once to its
     native /completion endpoint (it has no offline batch API).
@@ -216,6 +216,23 @@ def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokeniz
 
 
 # -- the run -------------------------------------------------------------------------------------
+def offline_row(results: list[dict[str, Any]], treadle: list[dict[str, Any]] | None,
+                reference: list[list[int]] | None) -> dict[str, Any]:
+    """One engine's offline row over its rounds: the median tok/s and wall time, each round's
+    tok/s, the median of the rounds' ratios to treadle's tok/s in the same round, and the first
+    round's agreement with treadle's fp32 outputs (greedy outputs repeat from round to round)."""
+    tok_s = [r["output_tokens"] / r["elapsed_s"] for r in results]
+    row: dict[str, Any] = {"output_tok_s": float(np.median(tok_s)),
+                           "elapsed_s": float(np.median([r["elapsed_s"] for r in results])),
+                           "output_tokens": results[0]["output_tokens"], "rounds_tok_s": tok_s,
+                           "agree_with_treadle_fp32": agree(results[0]["token_ids"], reference)
+                           if reference is not None else None}
+    if treadle:
+        base = [t["output_tokens"] / t["elapsed_s"] for t in treadle]
+        row["vs_treadle"] = float(np.median([a / b for a, b in zip(tok_s, base)]))
+    return row
+
+
 def agree(token_ids: list[list[int]], reference: list[list[int]]) -> str:
     return f"{sum(a == b for a, b in zip(token_ids, reference))}/{len(reference)}"
 
@@ -241,6 +258,11 @@ def main() -> int:
                         help="run the serving sweep this many times per dtype, each round "
                              "starting with the next engine, so that no engine always runs "
                              "first; rows are named 'engine #round' [default: 1]")
+    parser.add_argument("--offline-rounds", type=int, default=1,
+                        help="run each offline workload this many times per dtype, each round "
+                             "starting with the next engine; rows give the median tok/s and the "
+                             "median of the rounds' ratios to treadle, which a drift of the "
+                             "machine between engines moves less than one round's [default: 1]")
     parser.add_argument("--treadle-serve-args", default="", metavar="ARGS",
                         help="more flags for `treadle serve`; write it with '=', e.g. "
                              "--treadle-serve-args=--async-scheduling")
@@ -250,8 +272,9 @@ def main() -> int:
     parser.add_argument("--offline-from", default=None, metavar="PEERS_JSON",
                         help="take the offline results of an earlier run (with --no-offline)")
     ns = parser.parse_args()
-    if ns.serving_rounds < 1:
-        parser.error(f"--serving-rounds must be at least 1, got {ns.serving_rounds}")
+    for flag in ("serving_rounds", "offline_rounds"):
+        if getattr(ns, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(ns, flag)}")
     engines, dtypes = ns.engines.split(","), ns.dtypes.split(",")
     treadle_offline_args = json.loads(ns.treadle_offline_args)   # a typo fails before any run
     levels = tuple(int(level) for level in ns.serving_levels.split(","))
@@ -272,20 +295,24 @@ def main() -> int:
             work = make_workload(tokenizer, num, in_range, out_range, seed=0)
             reference = None
             for dtype in ["fp32"] + [d for d in dtypes if d != "fp32"]:
-                for engine in engines:
-                    if engine == "llamacpp":
-                        res = offline_llama(ggufs[dtype], work, out_dir, f"{wname}-{dtype}")
-                    else:
-                        res = offline_api(engine, hf_dir, dtype, work, out_dir, treadle_offline_args)
-                    if engine == "treadle" and dtype == "fp32":
-                        reference = res["token_ids"]
-                    row = {"output_tok_s": res["output_tokens"] / res["elapsed_s"],
-                           "elapsed_s": res["elapsed_s"], "output_tokens": res["output_tokens"],
-                           "agree_with_treadle_fp32": agree(res["token_ids"], reference)
-                           if reference is not None else None}
+                runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
+                for round_no in range(ns.offline_rounds):
+                    first = round_no % len(engines)
+                    for engine in engines[first:] + engines[:first]:
+                        if engine == "llamacpp":
+                            res = offline_llama(ggufs[dtype], work, out_dir, f"{wname}-{dtype}")
+                        else:
+                            res = offline_api(engine, hf_dir, dtype, work, out_dir, treadle_offline_args)
+                        runs[engine].append(res)
+                        print(f"{wname} {dtype} {engine} round {round_no + 1}: "
+                              f"{res['output_tokens'] / res['elapsed_s']:.1f} tok/s", flush=True)
+                if "treadle" in runs and dtype == "fp32":
+                    reference = runs["treadle"][0]["token_ids"]
+                for engine, results in runs.items():
+                    row = offline_row(results, runs.get("treadle"), reference)
                     report["offline"].setdefault(wname, {}).setdefault(dtype, {})[engine] = row
                     print(f"{wname} {dtype} {engine}: {row}", flush=True)
-                    save(report, out_dir)
+                save(report, out_dir)
 
     if not ns.no_serving:
         for dtype in ns.serving_dtypes.split(","):
@@ -316,15 +343,18 @@ def markdown(report: dict[str, Any]) -> str:
     host = report["machine"]
     lines = [f"{host['cpu']}, {host['cores']} cores, {host['date']}", ""]
     if report["offline"]:
-        lines += ["| workload | dtype | engine | output tok/s | s | vs treadle | agree with treadle fp32 |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| workload | dtype | engine | output tok/s | s | vs treadle | agree with treadle fp32 "
+                  "| tok/s by round |", "|---|---|---|---|---|---|---|---|"]
         for wname, by_dtype in report["offline"].items():
             for dtype, by_engine in by_dtype.items():
                 base = by_engine.get("treadle", {}).get("output_tok_s")
                 for engine, r in by_engine.items():
-                    ratio = f"{r['output_tok_s'] / base:.2f}x" if base else ""
+                    # rows of runs before --offline-rounds have no vs_treadle
+                    vs = r.get("vs_treadle", r["output_tok_s"] / base if base else None)
+                    ratio = f"{vs:.2f}x" if vs is not None else ""
+                    rounds = ", ".join(f"{v:.1f}" for v in r.get("rounds_tok_s", [r["output_tok_s"]]))
                     lines.append(f"| {wname} | {dtype} | {engine} | {r['output_tok_s']:.1f} | "
-                                 f"{r['elapsed_s']:.1f} | {ratio} | {r['agree_with_treadle_fp32']} |")
+                                 f"{r['elapsed_s']:.1f} | {ratio} | {r['agree_with_treadle_fp32']} | {rounds} |")
         lines.append("")
     if report["serving"]:
         lines += ["| dtype | engine | concurrency | output tok/s | TTFT p50 / p99 ms | "

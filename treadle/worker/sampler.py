@@ -36,12 +36,16 @@ def _row_generator(gen: torch.Generator, seed: int, position: int) -> torch.Gene
     return gen
 
 
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _argmax_only(row: SamplingRow) -> bool:
     """Greedy, with nothing that edits the row's logits (min_tokens still to reach, a penalty)
     or reads its log-probabilities."""
     p = row.params
     return (p.temperature < 1e-5 and p.logprobs is None and len(row.output_ids) >= p.min_tokens
-            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+            and not _has_penalties(p))
 
 
 class Sampler:
@@ -126,7 +130,7 @@ class Sampler:
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         p = row.params
-        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        if not _has_penalties(p):
             return
         vocab = logits.shape[0]
         out_ids = torch.from_numpy(row.output_ids.astype(np.int64)).to(logits.device)

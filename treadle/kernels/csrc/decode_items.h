@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -86,6 +87,56 @@ inline void row_offsets(const int32_t* table, int64_t t0, int64_t t1, int64_t bl
   for (int64_t t = t0; t < t1;) {
     const int64_t b = t / block_size, base = table[b] * c_block, end = std::min(t1, (b + 1) * block_size);
     for (; t < end; ++t) offs[t - t0] = base + (t - b * block_size) * c_tok;
+  }
+}
+
+// The K rows of a thread's next item, asked for into L2 a few lines at a time while the
+// current item runs its V pass, so that the next score pass reads them from L2 rather than
+// waiting on memory with the arithmetic idle. Decode attention alone, 64 sequences: 7%
+// faster on tiles, 5% in the bf16 vector kernel, 2-4% in fp32 (docs/benchmarks.md). A
+// prefetch never faults, so a wrong address would cost time, not correctness.
+class KAhead {
+ public:
+  // Aims at item `w`'s K rows in `k` (elements of `elem` bytes), to be asked for over `steps`
+  // calls of step().
+  void aim(const WorkItem& w, const int32_t* tables, int64_t max_blocks, int64_t block_size, int64_t c_block,
+           int64_t c_tok, int64_t c_head, const void* k, int64_t elem, int64_t steps) {
+    row_offsets(tables + w.seq * max_blocks, w.t0, w.t1, block_size, c_block, c_tok, offs_);
+    k_ = static_cast<const char*>(k) + w.kv0 * c_head * elem;
+    elem_ = elem;
+    lines_per_row_ = std::max<int64_t>(1, w.kv_heads * c_head * elem / 64);
+    lines_ = static_cast<int64_t>(offs_.size()) * lines_per_row_;
+    per_step_ = (lines_ + steps - 1) / std::max<int64_t>(1, steps);
+    next_ = 0;
+  }
+  void clear() { lines_ = next_ = 0; }
+
+  void step() {
+    for (const int64_t end = std::min(lines_, next_ + per_step_); next_ < end; ++next_)
+      __builtin_prefetch(k_ + offs_[next_ / lines_per_row_] * elem_ + 64 * (next_ % lines_per_row_), 0, 2);
+  }
+
+ private:
+  std::vector<int64_t> offs_;
+  const char* k_ = nullptr;
+  int64_t elem_ = 0, lines_per_row_ = 1, lines_ = 0, per_step_ = 0, next_ = 0;
+};
+
+// Runs run(item, next item or nullptr) over the step's items on this thread, taking items from
+// `next` (shared by the threads). With enough items to go round, a thread takes its next item
+// before running the one it holds, so that run() can ask for its K ahead; with few, taking
+// ahead could leave a thread idle, so it does not.
+template <typename Run>
+void run_items(const std::vector<WorkItem>& items, std::atomic<int64_t>& next, Run&& run) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (n < 4 * at::get_num_threads()) {
+    for (int64_t idx = next++; idx < n; idx = next++) run(items[idx], nullptr);
+    return;
+  }
+  for (int64_t idx = next++; idx < n;) {
+    const int64_t after = next++;
+    run(items[idx], after < n ? &items[after] : nullptr);
+    idx = after;
   }
 }
 

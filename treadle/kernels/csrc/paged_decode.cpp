@@ -57,6 +57,7 @@ struct Item {
   const int64_t* offs;
   int64_t seq, kv0, kv_heads, len;
   float* part_row;
+  treadle::decode::KAhead* ahead;   // the thread's next item's K, asked for during the V pass
 
   // Token t's row in `cache` at KV head kv0 + g, with the row kPrefetch tokens on requested
   // from memory (`bytes` of it): blocks are scattered, so the hardware prefetcher alone
@@ -121,6 +122,7 @@ void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, floa
   softmax(scores, heads, len, max, sum, inv_sum);
   std::fill(acc, acc + heads * hd, 0.f);
   for (int64_t t = 0; t < len; ++t) {
+    it.ahead->step();
     const scalar_t* row = it.row(c.v, t, 0, bytes);
     for (int64_t h = 0; h < heads; ++h) {
       const scalar_t* v = row + (h / c.group) * c.c_head;
@@ -167,6 +169,7 @@ __attribute__((noinline)) void accumulate_v(const Item<scalar_t>& it, int64_t g,
   for (int i = 0; i < HT; ++i)
     for (int d = 0; d < D; ++d) acc[i][d] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
+    it.ahead->step();
     const scalar_t* row = it.row(it.c.v, t, g, bytes);
     __m512 v[D];
     for (int d = 0; d < D; ++d) v[d] = load16(row + 16 * d);
@@ -323,12 +326,18 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     std::vector<float> max(max_heads), sum(max_heads), inv_sum(max_heads);
     std::vector<float> part(vec_dims ? max_heads * 256 : 0);
     std::vector<int64_t> offs;
-    for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) {
-      const treadle::decode::WorkItem& w = items[idx];
+    treadle::decode::KAhead ahead;
+    treadle::decode::run_items(items, next, [&](const treadle::decode::WorkItem& w,
+                                                const treadle::decode::WorkItem* after) {
       treadle::decode::row_offsets(c.tables + w.seq * c.max_blocks, w.t0, w.t1, c.block_size, c.c_block, c.c_tok,
                                    offs);
+      if (after != nullptr)
+        ahead.aim(*after, c.tables, c.max_blocks, c.block_size, c.c_block, c.c_tok, c.c_head, c.k,
+                  sizeof(scalar_t), w.kv_heads * (w.t1 - w.t0));
+      else
+        ahead.clear();
       const Item<scalar_t> it{c, offs.data(), w.seq, w.kv0, w.kv_heads, w.t1 - w.t0,
-                              treadle::decode::part_row(w, c.group, parts)};
+                              treadle::decode::part_row(w, c.group, parts), &ahead};
       const int64_t heads = w.kv_heads * c.group;
       scores.resize(heads * it.len);
       for (int64_t h = 0; h < heads; ++h) {
@@ -350,7 +359,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       if (!done)
         attend_plain<scalar_t>(it, qf.data(), scores.data(), acc.data(), max.data(), sum.data(), inv_sum.data());
       treadle::decode::keep_softmax(w, c.group, max.data(), sum.data(), parts);
-    }
+    });
   });
   if (!parts.out.empty()) treadle::decode::merge_parts(parts, c.lens, num_seqs, c.out, c.o_seq, c.o_head);
 }

@@ -32,8 +32,9 @@ namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kLanes = 16;        // tokens per score tile, and query heads per item at most
-// Tokens ahead to request V rows from memory. 32-128 measured level; K is read by tile loads
-// without help (requesting it ahead was 7% slower).
+// Tokens ahead to request V rows from memory: 32 beat 16 and 64 by 2-5%. K is asked for
+// during the previous item's V passes (decode_items.h, KAhead); asking for it a few tiles
+// ahead within its own score pass was 7% slower.
 constexpr int64_t kPrefetch = 32;
 using treadle::prefill::kExpFloor;
 using treadle::prefill::kMasked;
@@ -52,13 +53,14 @@ struct Step {
 template <int kHalves, int HT>
 __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head,
                                             int64_t h0, const uint32_t* pairs, const float* inv_sum,
-                                            bf16* const* dst, float* part_row) {
+                                            bf16* const* dst, float* part_row, treadle::decode::KAhead& ahead) {
   constexpr int D = 2 * kHalves;   // vectors of 16 fp32 in a head's output
   __m512 acc[HT][D];
   for (int i = 0; i < HT; ++i)
     for (int d = 0; d < D; ++d) acc[i][d] = _mm512_setzero_ps();
   const bf16* v = st.v + kv_head * st.c_head;
   for (int64_t t = 0; t < len; t += 2) {
+    ahead.step();
     if (t + kPrefetch + 1 < len) {
       for (int u = 0; u < 2; ++u) {
         const char* ahead = reinterpret_cast<const char*>(v + offs[t + kPrefetch + u]);
@@ -96,12 +98,14 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
 // accumulate_v on the widest tile of at most HT heads that `left` heads fill.
 template <int kHalves, int HT>
 void accumulate_v_tile(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head, int64_t h0, int64_t left,
-                       const uint32_t* pairs, const float* inv_sum, bf16* const* dst, float* part_row) {
+                       const uint32_t* pairs, const float* inv_sum, bf16* const* dst, float* part_row,
+                       treadle::decode::KAhead& ahead) {
   if constexpr (HT > 1) {
     if (left < HT)
-      return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, inv_sum, dst, part_row);
+      return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, inv_sum, dst, part_row,
+                                                ahead);
   }
-  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, inv_sum, dst, part_row);
+  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, inv_sum, dst, part_row, ahead);
 }
 
 // One thread's items (decode_items.h), with its scratch: the queries' B tiles, the scores,
@@ -111,9 +115,15 @@ class SeqWork {
  public:
   explicit SeqWork(const Step& st) : st_(st) {}
 
-  void run(const treadle::decode::WorkItem& w, treadle::decode::Parts& parts) {
+  void run(const treadle::decode::WorkItem& w, const treadle::decode::WorkItem* after,
+           treadle::decode::Parts& parts) {
     len_ = w.t1 - w.t0;
     if (len_ <= 0) return;
+    if (after != nullptr)
+      ahead_.aim(*after, st_.tables, st_.max_blocks, st_.block_size, st_.c_block, st_.c_tok, st_.c_head, st_.k,
+                 sizeof(bf16), w.kv_heads * ((len_ + 1) / 2));
+    else
+      ahead_.clear();
     kv0_ = w.kv0;
     kv_heads_ = w.kv_heads;
     lanes_ = w.kv_heads * st_.group;
@@ -129,7 +139,7 @@ class SeqWork {
         for (int64_t i = 0; i < std::min<int64_t>(kHeadTile, (g + 1) * st_.group - h); ++i)
           dst[i] = st_.out + w.seq * st_.o_seq + (kv0_ * st_.group + h + i) * st_.o_head;
         accumulate_v_tile<kHalves, kHeadTile>(st_, offs_.data(), len_, kv0_ + g, h, (g + 1) * st_.group - h,
-                                              pairs_.data(), inv_sum_, dst, part_row);
+                                              pairs_.data(), inv_sum_, dst, part_row, ahead_);
       }
     }
     treadle::decode::keep_softmax(w, st_.group, max_, sum_, parts);
@@ -184,8 +194,7 @@ class SeqWork {
   // the scaled max and the sum kept for merging parts.
   void softmax() {
     const float* s = scores_.data();
-    __m512 mx = _mm512_set1_ps(kMasked);
-    for (int64_t t = 0; t < len_; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * kLanes));
+    const __m512 mx = lane_max(s);
     const __m512 scale = _mm512_set1_ps(st_.scale), floor = _mm512_set1_ps(kExpFloor);
     auto p = [&](int64_t t) {   // max() also turns a NaN into the floor
       const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t * kLanes), mx), scale);
@@ -203,8 +212,20 @@ class SeqWork {
     _mm512_storeu_ps(sum_, sum);
   }
 
+  // Each lane's largest score, in four chains: one chain waited on each max in turn.
+  __m512 lane_max(const float* s) const {
+    __m512 m[4];
+    for (auto& x : m) x = _mm512_set1_ps(kMasked);
+    int64_t t = 0;
+    for (; t + 4 <= len_; t += 4)
+      for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(s + (t + i) * kLanes));
+    for (; t < len_; ++t) m[0] = _mm512_max_ps(m[0], _mm512_loadu_ps(s + t * kLanes));
+    return _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+  }
+
   const Step& st_;
   std::vector<int64_t> offs_;
+  treadle::decode::KAhead ahead_;   // the next item's K, asked for during the V passes
   std::vector<uint32_t> qt_, pairs_;
   std::vector<float> scores_;
   alignas(64) float inv_sum_[kLanes], max_[kLanes], sum_[kLanes];
@@ -229,7 +250,8 @@ void decode_attention_tiles(at::Tensor& out, const at::Tensor& q, const at::Tens
     static const treadle::amx::TileConfig config;
     _tile_loadconfig(&config);
     SeqWork<kHalves> work(st);
-    for (int64_t idx = next++; idx < static_cast<int64_t>(items.size()); idx = next++) work.run(items[idx], parts);
+    treadle::decode::run_items(items, next, [&](const treadle::decode::WorkItem& w,
+                                                const treadle::decode::WorkItem* after) { work.run(w, after, parts); });
     _tile_release();
   });
   if (!parts.out.empty()) treadle::decode::merge_parts(parts, st.lens, num_seqs, st.out, st.o_seq, st.o_head);

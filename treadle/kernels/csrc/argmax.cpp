@@ -23,8 +23,7 @@ using treadle::vec::load16;
 // The first `lanes` of 16 values as fp32, zeros past them.
 inline __m512 load_tail(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 load_tail(const c10::BFloat16* p, __mmask16 lanes) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(lanes, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return treadle::vec::widen_bf16(_mm256_maskz_loadu_epi16(lanes, p));
 }
 inline __m512 load_tail(const c10::Half* p, __mmask16 lanes) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, p)); }
 

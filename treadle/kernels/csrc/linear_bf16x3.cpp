@@ -25,6 +25,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
 
@@ -40,8 +41,6 @@ bool shape_fits(const at::Tensor& w) {
 // Bytes of weights a thread keeps in its L2 (2 MiB on the Xeons measured) while rows of x go by.
 constexpr int64_t kL2Share = 1 << 20;
 
-inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
-
 // 32 floats as three times 32 bf16 whose sum is them: each part the nearest bf16 to what the
 // parts before it left over (exact differences in fp32).
 inline void split32(const float* v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
@@ -50,8 +49,8 @@ inline void split32(const float* v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
   for (int p = 0; p < kParts; ++p) {
     const __m512i part = (__m512i)_mm512_cvtne2ps_pbh(b, a);
     _mm512_storeu_si512(parts[p], part);
-    a = _mm512_sub_ps(a, widen(_mm512_castsi512_si256(part)));
-    b = _mm512_sub_ps(b, widen(_mm512_extracti64x4_epi64(part, 1)));
+    a = _mm512_sub_ps(a, treadle::vec::widen_bf16(_mm512_castsi512_si256(part)));
+    b = _mm512_sub_ps(b, treadle::vec::widen_bf16(_mm512_extracti64x4_epi64(part, 1)));
   }
 }
 

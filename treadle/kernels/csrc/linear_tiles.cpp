@@ -20,6 +20,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstring>
@@ -90,9 +91,8 @@ inline void store_row_pair(const float* c0, const float* c1, const uint16_t* bia
   __m512 lo = _mm512_loadu_ps(c0), hi = _mm512_loadu_ps(c1);
   if (bias) {
     const __m512i raw = _mm512_loadu_si512(bias);
-    lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16)));
-    hi = _mm512_add_ps(hi, _mm512_castsi512_ps(
-                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16)));
+    lo = _mm512_add_ps(lo, treadle::vec::widen_bf16(_mm512_castsi512_si256(raw)));
+    hi = _mm512_add_ps(hi, treadle::vec::widen_bf16(_mm512_extracti64x4_epi64(raw, 1)));
   }
   _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }

@@ -22,11 +22,15 @@ constexpr bool kPairedBf16 = false;
 
 namespace treadle::vec {
 
+// 16 bf16 words as fp32, exactly: bf16 is fp32's top half.
+inline __m512 widen_bf16(__m256i words) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
 // 16 consecutive values as fp32 (each conversion is exact).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {   // bf16 is fp32's top half
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+inline __m512 load16(const c10::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -55,7 +59,7 @@ inline void store16(c10::Half* p, __m512 x) { _mm256_storeu_si256(reinterpret_ca
 template <typename T>
 inline __m512 round16(__m512 x) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_words(x)), 16));
+    return widen_bf16(bf16_words(x));
   } else if constexpr (std::is_same_v<T, c10::Half>) {
     return _mm512_cvtph_ps(half_words(x));
   } else {

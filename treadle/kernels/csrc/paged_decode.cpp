@@ -331,9 +331,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
                                                 const treadle::decode::WorkItem* after) {
       treadle::decode::row_offsets(c.tables + w.seq * c.max_blocks, w.t0, w.t1, c.block_size, c.c_block, c.c_tok,
                                    offs);
+      // The V steps that call ahead.step(): a token per KV head on AVX-512, a token in the plain loops.
       if (after != nullptr)
         ahead.aim(*after, c.tables, c.max_blocks, c.block_size, c.c_block, c.c_tok, c.c_head, c.k,
-                  sizeof(scalar_t), w.kv_heads * (w.t1 - w.t0));
+                  sizeof(scalar_t), (vec_dims ? w.kv_heads : 1) * (w.t1 - w.t0));
       else
         ahead.clear();
       const Item<scalar_t> it{c, offs.data(), w.seq, w.kv0, w.kv_heads, w.t1 - w.t0,

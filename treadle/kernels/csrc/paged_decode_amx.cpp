@@ -63,8 +63,8 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
     ahead.step();
     if (t + kPrefetch + 1 < len) {
       for (int u = 0; u < 2; ++u) {
-        const char* ahead = reinterpret_cast<const char*>(v + offs[t + kPrefetch + u]);
-        for (int b = 0; b < kHalves; ++b) __builtin_prefetch(ahead + 64 * b);
+        const char* row = reinterpret_cast<const char*>(v + offs[t + kPrefetch + u]);
+        for (int b = 0; b < kHalves; ++b) __builtin_prefetch(row + 64 * b);
       }
     }
     const bf16* r0 = v + offs[t];

@@ -47,12 +47,64 @@ struct Step {
   float scale;
 };
 
+// An item's softmax, lane by lane: its max, then p = exp(scale * (s - max)) as pairs of tokens
+// rounded to bf16 (pairs[t / 2][lane]), and 1 / the fp32 sum of the unrounded p; the scaled
+// max and the sum kept for merging parts. The p are computed during the item's first V pass,
+// pair by pair as that pass uses them, not in a pass of their own between the scores and V,
+// where no K or V streamed from memory while the arithmetic ran: decode attention alone 5%
+// faster (docs/benchmarks.md).
+struct Softmax {
+  const float* scores = nullptr;   // [token][lane], unscaled
+  int64_t len = 0;
+  __m512 mx, scale, sum;
+  alignas(64) float inv_sum[kLanes], max[kLanes], total[kLanes];
+
+  void start(const float* s, int64_t n, float sc) {
+    scores = s;
+    len = n;
+    mx = lane_max();
+    scale = _mm512_set1_ps(sc);
+    sum = _mm512_setzero_ps();
+  }
+
+  // Tokens t and t + 1 into their pair row (t even; a token past the end gives p = 0).
+  void pair(int64_t t, uint32_t* pairs) {
+    const __m512 p0 = p(t), p1 = t + 1 < len ? p(t + 1) : _mm512_setzero_ps();
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    _mm512_storeu_si512(pairs + (t / 2) * kLanes, treadle::amx::interleave_bf16(p0, p1));
+  }
+
+  void finish() {
+    _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    _mm512_storeu_ps(max, _mm512_mul_ps(mx, scale));
+    _mm512_storeu_ps(total, sum);
+  }
+
+ private:
+  __m512 p(int64_t t) const {   // max() also turns a NaN into the floor
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + t * kLanes), mx), scale);
+    return treadle::vec::exp_nonpositive(_mm512_max_ps(x, _mm512_set1_ps(kExpFloor)));
+  }
+
+  // Each lane's largest score, in four chains: one chain waited on each max in turn.
+  __m512 lane_max() const {
+    __m512 m[4];
+    for (auto& x : m) x = _mm512_set1_ps(kMasked);
+    int64_t t = 0;
+    for (; t + 4 <= len; t += 4)
+      for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(scores + (t + i) * kLanes));
+    for (; t < len; ++t) m[0] = _mm512_max_ps(m[0], _mm512_loadu_ps(scores + t * kLanes));
+    return _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+  }
+};
+
 // out[HT heads][32 * kHalves dims] for KV head g, its first lane h0: sum over token pairs of
 // (p_t, p_t+1) . (v_t, v_t+1), then divided by the lane's sum. Accumulators in registers. Cast
-// into dst, or kept whole in `part_row` (decode_items.h) when the sequence is split.
+// into dst, or kept whole in `part_row` (decode_items.h) when the sequence is split. The
+// item's first pass (`fresh`) computes the softmax's pairs as it goes.
 template <int kHalves, int HT>
 __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head,
-                                            int64_t h0, const uint32_t* pairs, const float* inv_sum,
+                                            int64_t h0, uint32_t* pairs, Softmax& softmax, bool fresh,
                                             bf16* const* dst, float* part_row, treadle::decode::KAhead& ahead) {
   constexpr int D = 2 * kHalves;   // vectors of 16 fp32 in a head's output
   __m512 acc[HT][D];
@@ -60,6 +112,7 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
     for (int d = 0; d < D; ++d) acc[i][d] = _mm512_setzero_ps();
   const bf16* v = st.v + kv_head * st.c_head;
   for (int64_t t = 0; t < len; t += 2) {
+    if (fresh) softmax.pair(t, pairs);
     ahead.step();
     if (t + kPrefetch + 1 < len) {
       for (int u = 0; u < 2; ++u) {
@@ -84,8 +137,9 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
       for (int d = 0; d < D; ++d) acc[i][d] = _mm512_dpbf16_ps(acc[i][d], p, vp[d]);
     }
   }
+  if (fresh) softmax.finish();
   for (int i = 0; i < HT; ++i) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[h0 + i]);
+    const __m512 inv = _mm512_set1_ps(softmax.inv_sum[h0 + i]);
     for (int d = 0; d < D; ++d) {
       const __m512 o = _mm512_mul_ps(acc[i][d], inv);
       if (part_row) _mm512_storeu_ps(part_row + (h0 + i) * 16 * D + 16 * d, o);
@@ -98,18 +152,18 @@ __attribute__((noinline)) void accumulate_v(const Step& st, const int64_t* offs,
 // accumulate_v on the widest tile of at most HT heads that `left` heads fill.
 template <int kHalves, int HT>
 void accumulate_v_tile(const Step& st, const int64_t* offs, int64_t len, int64_t kv_head, int64_t h0, int64_t left,
-                       const uint32_t* pairs, const float* inv_sum, bf16* const* dst, float* part_row,
+                       uint32_t* pairs, Softmax& softmax, bool fresh, bf16* const* dst, float* part_row,
                        treadle::decode::KAhead& ahead) {
   if constexpr (HT > 1) {
     if (left < HT)
-      return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, inv_sum, dst, part_row,
-                                                ahead);
+      return accumulate_v_tile<kHalves, HT - 1>(st, offs, len, kv_head, h0, left, pairs, softmax, fresh, dst,
+                                                part_row, ahead);
   }
-  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, inv_sum, dst, part_row, ahead);
+  accumulate_v<kHalves, HT>(st, offs, len, kv_head, h0, pairs, softmax, fresh, dst, part_row, ahead);
 }
 
 // One thread's items (decode_items.h), with its scratch: the queries' B tiles, the scores,
-// P's pairs.
+// the softmax, P's pairs.
 template <int kHalves>
 class SeqWork {
  public:
@@ -131,7 +185,8 @@ class SeqWork {
                                  st_.c_tok, offs_);
     queries(w.seq);
     scores();
-    softmax();
+    softmax_.start(scores_.data(), len_, st_.scale);
+    pairs_.resize((len_ + 1) / 2 * kLanes);
     float* part_row = treadle::decode::part_row(w, st_.group, parts);
     for (int64_t g = 0; g < kv_heads_; ++g) {
       for (int64_t h = g * st_.group; h < (g + 1) * st_.group; h += kHeadTile) {
@@ -139,10 +194,10 @@ class SeqWork {
         for (int64_t i = 0; i < std::min<int64_t>(kHeadTile, (g + 1) * st_.group - h); ++i)
           dst[i] = st_.out + w.seq * st_.o_seq + (kv0_ * st_.group + h + i) * st_.o_head;
         accumulate_v_tile<kHalves, kHeadTile>(st_, offs_.data(), len_, kv0_ + g, h, (g + 1) * st_.group - h,
-                                              pairs_.data(), inv_sum_, dst, part_row, ahead_);
+                                              pairs_.data(), softmax_, h == 0, dst, part_row, ahead_);
       }
     }
-    treadle::decode::keep_softmax(w, st_.group, max_, sum_, parts);
+    treadle::decode::keep_softmax(w, st_.group, softmax_.max, softmax_.total, parts);
   }
 
  private:
@@ -189,46 +244,12 @@ class SeqWork {
     }
   }
 
-  // Each lane's softmax over the tokens: the max, then p = exp(scale * (s - max)) as pairs of
-  // tokens rounded to bf16 (pairs_[t / 2][lane]), and 1 / the fp32 sum of the unrounded p;
-  // the scaled max and the sum kept for merging parts.
-  void softmax() {
-    const float* s = scores_.data();
-    const __m512 mx = lane_max(s);
-    const __m512 scale = _mm512_set1_ps(st_.scale), floor = _mm512_set1_ps(kExpFloor);
-    auto p = [&](int64_t t) {   // max() also turns a NaN into the floor
-      const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t * kLanes), mx), scale);
-      return treadle::vec::exp_nonpositive(_mm512_max_ps(x, floor));
-    };
-    pairs_.resize((len_ + 1) / 2 * kLanes);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len_; t += 2) {
-      const __m512 p0 = p(t), p1 = t + 1 < len_ ? p(t + 1) : _mm512_setzero_ps();
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      _mm512_storeu_si512(pairs_.data() + (t / 2) * kLanes, treadle::amx::interleave_bf16(p0, p1));
-    }
-    _mm512_storeu_ps(inv_sum_, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
-    _mm512_storeu_ps(max_, _mm512_mul_ps(mx, scale));
-    _mm512_storeu_ps(sum_, sum);
-  }
-
-  // Each lane's largest score, in four chains: one chain waited on each max in turn.
-  __m512 lane_max(const float* s) const {
-    __m512 m[4];
-    for (auto& x : m) x = _mm512_set1_ps(kMasked);
-    int64_t t = 0;
-    for (; t + 4 <= len_; t += 4)
-      for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(s + (t + i) * kLanes));
-    for (; t < len_; ++t) m[0] = _mm512_max_ps(m[0], _mm512_loadu_ps(s + t * kLanes));
-    return _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
-  }
-
   const Step& st_;
   std::vector<int64_t> offs_;
   treadle::decode::KAhead ahead_;   // the next item's K, asked for during the V passes
   std::vector<uint32_t> qt_, pairs_;
   std::vector<float> scores_;
-  alignas(64) float inv_sum_[kLanes], max_[kLanes], sum_[kLanes];
+  Softmax softmax_;
   int64_t len_ = 0, kv0_ = 0, kv_heads_ = 0, lanes_ = 0;
 };
 

@@ -36,6 +36,7 @@ namespace {
 constexpr long kSeqs = 64, kBlocksPerSeq = 5, kRow = 384, kBlock = 128 * kRow, kLayers = 30;
 constexpr long kBlocks = kSeqs * kBlocksPerSeq + 1, kChunks = kBlocksPerSeq * 8;   // 16-token chunks
 
+// As kernels/csrc/amx.h's, which this standalone program cannot include (it needs ATen).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
@@ -70,6 +71,10 @@ int main(int argc, char** argv) {
   }
   const size_t layer = 2 * kBlocks * kBlock, total = layer * kLayers;
   char* mem = static_cast<char*>(mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (mem == MAP_FAILED) {
+    fprintf(stderr, "could not map %zu bytes for the caches\n", total);
+    return 1;
+  }
   madvise(mem, total, MADV_HUGEPAGE);
   memset(mem, 1, total);
   std::vector<int> order(kSeqs * kBlocksPerSeq);

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import pytest
+import torch
 import transformers
 
 from treadle.entrypoints.cli import main
+from treadle.kernels.cpu import cpu_kernels_available
+
+needs_native = pytest.mark.skipif(not cpu_kernels_available(torch.device("cpu")),
+                                  reason="the C++ kernels did not build here")
 
 
 def test_bench_latency_compares_sync_and_async(tiny_checkpoints, tmp_path, capsys):
@@ -85,6 +91,17 @@ def test_bench_floor_counts_int8_weights_as_their_int8_copies(tiny_checkpoints, 
             continue   # a lookup reads one row
         # A matrix is read as int8 plus one fp32 scale per 32 inputs; vectors stay fp32.
         expected += p.numel() + p.numel() // 32 * 4 if p.dim() == 2 else p.numel() * 4
+    assert json.loads(out.read_text())["weight_bytes_per_step"] == expected
+
+
+@needs_native
+def test_bench_floor_counts_gguf_weights_as_the_files_blocks(smollm2_path, tmp_path):
+    out = tmp_path / "floor.json"
+    assert main(["bench", "floor", "--model", smollm2_path, "--quantization", "gguf", "--input-len", "4",
+                 "--output-len", "4", "--num-iters", "1", "--copy-mib", "64", "--output-json", str(out)]) == 0
+    # The file's bytes, as it stores them: the Q4_1 layers and the Q8_0 embedding (the tied
+    # head), and the fp32 norms.
+    expected = sum(int(t.n_bytes) for t in gguf.GGUFReader(smollm2_path).tensors)
     assert json.loads(out.read_text())["weight_bytes_per_step"] == expected
 
 

@@ -104,14 +104,14 @@ def test_stack_pads_gemm_rows_as_the_python_layers_do():
 
 @needs_native
 def test_stack_refuses_what_it_cannot_run():
-    stack = torch.classes.treadle.LayerStack(4, 2, 16, 1e-6, 0.25, 4, 6, 2, 96)   # hidden 64: q 64, k and v 32
+    stack = torch.classes.treadle.LayerStack(4, 2, 16, 1e-6, 0.25, 4, 2, 96)   # hidden 64: q 64, k and v 32
     qkv, o, gate_up, down = torch.zeros(128, 64), torch.zeros(64, 64), torch.zeros(256, 64), torch.zeros(64, 128)
     with pytest.raises(RuntimeError, match="add_layer first"):
-        stack.add_linear(qkv, None, None, None, None, None, None)
+        stack.add_linear(qkv, None, None, None, -1, 0, None, None, None)
     stack.add_layer(torch.ones(64), torch.ones(64), None, None)
-    with pytest.raises(RuntimeError, match="both q and scales"):
-        stack.add_linear(qkv, None, torch.zeros(128, 64, dtype=torch.int8), None, None, None, None)
-    stack.add_linear(qkv, None, None, None, None, None, None)
+    with pytest.raises(RuntimeError, match="needs q and either scales"):
+        stack.add_linear(qkv, None, torch.zeros(128, 64, dtype=torch.int8), None, -1, 6, None, None, None)
+    stack.add_linear(qkv, None, None, None, -1, 0, None, None, None)
     one = torch.ones(1, dtype=torch.int32)
 
     def forward(caches, slot, tokens=1, decode=(torch.zeros(1, 1, dtype=torch.int32), one), prefill=(None,) * 3):
@@ -122,7 +122,7 @@ def test_stack_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="lacks linears"):
         forward([cache], 0)
     for weight in (o, gate_up, down):
-        stack.add_linear(weight, None, None, None, None, None, None)
+        stack.add_linear(weight, None, None, None, -1, 0, None, None, None)
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
         forward([], 0)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -71,7 +71,7 @@ def test_int8_kernel_refuses_bad_inputs():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"quantization": "int4"}, "quantization must be None or 'int8'"),
+    ({"quantization": "int4"}, "quantization must be None, 'int8' or 'gguf'"),
     ({"quantization": "int8", "dtype": "bfloat16"}, "float32"),
 ])
 def test_bad_quantization_is_refused(smollm2_path, kwargs, match):
@@ -99,7 +99,7 @@ def test_int8_engine_equals_transformers_on_the_dequantized_weights(int8_llm, de
     def int8_layers(worker):
         model = worker.runner.model
         mlp = model.model.layers[0].mlp.gate_up_proj
-        return mlp.int8 is not None and mlp.native and model._int8_head is not None
+        return isinstance(mlp.quantized, Int8Weight) and mlp.native and model._quantized_head is not None
 
     assert int8_llm.collective_rpc(int8_layers) == [True]
     tok = int8_llm.get_tokenizer()
@@ -123,9 +123,9 @@ def test_int8_follows_a_weight_update(int8_llm, smollm2_path):
 
     def update(worker, tensor):
         layers = worker.runner.model.model.layers
-        before = (layers[0].mlp.down_proj.int8, layers[1].mlp.down_proj.int8)
+        before = (layers[0].mlp.down_proj.quantized, layers[1].mlp.down_proj.quantized)
         worker.runner.model.load_weights([(name, tensor)], strict=False)
-        after = (layers[0].mlp.down_proj.int8, layers[1].mlp.down_proj.int8)
+        after = (layers[0].mlp.down_proj.quantized, layers[1].mlp.down_proj.quantized)
         dequantized = after[0].dequantize()
         # The updated layer is quantized again, from the new weight; the others are kept.
         return (after[0] is not before[0], after[1] is before[1],

@@ -27,7 +27,9 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
-    quantization: str | None = None   # "int8": weight-only, CPU, float32 (models/linear.py)
+    # "int8" (models/linear.py) or "gguf" (models/gguf_weights.py): weight-only, CPU, float32
+    quantization: str | None = None
+    gguf_file: str | None = None   # the GGUF file `model` was converted from, if any
 
     @property
     def num_layers(self) -> int:
@@ -240,7 +242,7 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_config(self) -> TreadleConfig:
-        from treadle.models.loader import load_hf_config, prepare_model
+        from treadle.models.loader import is_gguf, load_hf_config, prepare_model, resolve_model
 
         # Checked before the model is touched: a typo must not cost a model load.
         kv_transfer = (KVTransferConfig.from_dict(self.kv_transfer_config)
@@ -251,10 +253,12 @@ class EngineArgs:
             raise ValueError("kv_transfer_config with more than one worker is not supported yet: "
                              "use pipeline_parallel_size=1 and tensor_parallel_size=1")
         device = self.device or _default_device()
+        source = resolve_model(self.model)
+        gguf_file = source if is_gguf(source) else None
+        dtype = _resolve_dtype(self.dtype, device)
+        _check_quantization(self.quantization, dtype, device, gguf_file, parallel.tensor_parallel_size)
         path = prepare_model(self.model)
         hf_config = load_hf_config(path)
-        dtype = _resolve_dtype(self.dtype, device)
-        _check_quantization(self.quantization, dtype, device)
 
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -285,7 +289,7 @@ class EngineArgs:
 
         model_cfg = ModelConfig(model=path, hf_config=hf_config, dtype=dtype,
                                 max_model_len=max_model_len, seed=self.seed,
-                                quantization=self.quantization)
+                                quantization=self.quantization, gguf_file=gguf_file)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=self.num_kv_blocks,
                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                 enable_prefix_caching=self.enable_prefix_caching)
@@ -352,14 +356,19 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
+def _check_quantization(quantization: str | None, dtype: torch.dtype, device: str, gguf_file: str | None,
+                        tensor_parallel_size: int) -> None:
     if quantization is None:
         return
-    if quantization != "int8":
-        raise ValueError(f"quantization must be None or 'int8' (weight-only), got {quantization!r}")
+    if quantization not in ("int8", "gguf"):
+        raise ValueError(f"quantization must be None, 'int8' or 'gguf' (weight-only), got {quantization!r}")
     if not device.startswith("cpu") or dtype != torch.float32:
-        raise ValueError(f"quantization='int8' runs on CPU in float32 (the activations and the "
+        raise ValueError(f"quantization={quantization!r} runs on CPU in float32 (the activations and the "
                          f"rest of the model); got device={device!r}, dtype={str(dtype).split('.')[-1]}")
+    if quantization == "gguf" and gguf_file is None:
+        raise ValueError("quantization='gguf' runs a GGUF file's own blocks: model must be a .gguf file")
+    if quantization == "gguf" and tensor_parallel_size > 1:
+        raise ValueError(f"quantization='gguf' needs tensor_parallel_size=1, got {tensor_parallel_size}")
 
 
 def default_block_size(device: str) -> int:

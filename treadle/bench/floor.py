@@ -58,15 +58,15 @@ def copy_bandwidth(mib: int, iters: int = 10) -> float:
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of the parameters a decode step reads in full: all of them, except an embedding
     table that is not also the output head (a lookup reads one row per token). A weight with
-    an int8 copy counts that copy, which is what batch-1 decode reads."""
+    a weight-only copy (int8, GGUF blocks) counts that copy, which is what batch-1 decode reads."""
     embed = model.model.embed_tokens
     skip = embed.weight if embed is not None and not model.tie_word_embeddings else None
-    int8 = model.int8_copies()
+    copies = model.quantized_copies()
     total = 0
     for p in model.parameters():
         if p is skip:
             continue
-        copy = int8.get(id(p))
+        copy = copies.get(id(p))
         total += (sum(t.numel() * t.element_size() for t in copy.tensors) if copy is not None
                   else p.numel() * p.element_size())
     return total

@@ -1,5 +1,5 @@
 """Memory in 2 MiB pages for the tensors the CPU kernels stream at decode: the weights, their
-tile and int8 copies, and a bf16 KV cache.
+tile and weight-only (int8, GGUF) copies, and a bf16 KV cache.
 
 A decode step reads every weight once. In 4 KiB pages that is a TLB miss every 4 KiB, and in
 a VM each miss walks two page tables (the guest's, then the host's). On the 2-core Xeon VM,

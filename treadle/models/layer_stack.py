@@ -14,6 +14,7 @@ import torch
 
 from treadle.attention.torch_backend import AttentionMetadata
 from treadle.models import linear
+from treadle.models.gguf_weights import GgufWeight
 from treadle.models.linear import Linear
 
 
@@ -26,8 +27,7 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
     attn = layers[0].self_attn
     stack = torch.classes.treadle.LayerStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                              layers[0].input_layernorm.eps, attn.attn.scale,
-                                             linear.SMALL_ROWS, linear.INT8_ROWS,
-                                             linear.TILE_FROM_ROWS,
+                                             linear.SMALL_ROWS, linear.TILE_FROM_ROWS,
                                              linear.tile_rows(layers[0].input_layernorm.weight.dtype))
     for layer in layers:
         a = layer.self_attn
@@ -40,8 +40,14 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
 
 
 def _add_linear(stack: torch.ScriptObject, lin: Linear) -> None:
-    q, scales = lin.int8.tensors if lin.int8 is not None else (None, None)
-    stack.add_linear(lin.weight, lin.bias, q, scales, lin.packed, lin.tiles, lin.bf16x3)
+    copy = lin.quantized
+    if copy is None:
+        q, scales, ggml_type, rows = None, None, -1, 0
+    elif isinstance(copy, GgufWeight):
+        q, scales, ggml_type, rows = copy.tensors[0], None, copy.ggml_type, copy.max_rows
+    else:
+        (q, scales), ggml_type, rows = copy.tensors, -1, copy.max_rows
+    stack.add_linear(lin.weight, lin.bias, q, scales, ggml_type, rows, lin.packed, lin.tiles, lin.bf16x3)
 
 
 def serves(meta: AttentionMetadata) -> bool:

@@ -1,7 +1,8 @@
 """Linear layers whose weights are packed once for oneDNN on CPU, packed for the tile kernel
 (AMX tiles in bf16 where the CPU has them, AVX-512 panels in fp32, and in fp32 past the panels'
-rows AMX tiles over three bf16 parts of each value), and optionally quantized to weight-only
-int8 for the few-row kernel.
+rows AMX tiles over three bf16 parts of each value), and optionally given a weight-only copy
+for the few-row kernels: int8 (`Int8Weight`) or a GGUF file's own blocks
+(models/gguf_weights.py).
 
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight matrix on every call. At decode
 batch sizes that packing costs about as much as the multiply. A weight packed once into
@@ -17,6 +18,7 @@ discarded. Packing costs one extra copy of each packed weight in memory.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -80,16 +82,17 @@ def tile_rows(dtype: torch.dtype) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None, native: bool = False,
-           int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+           quantized: QuantizedWeight | None = None,
            tiles: torch.Tensor | None = None, bf16x3: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias where `native`: the int8 copy at a few rows where there is one,
+    """x @ weight.T + bias where `native`: the weight-only copy up to its `max_rows` where
+    there is one,
     the tile kernel from TILE_FROM_ROWS to tile_rows() where the weight has tiles, the bf16x3
     kernel past that where the weight has its parts, the few-row kernel up to SMALL_ROWS; else
     the packed GEMM where there is a packed weight, else torch's. The layer stack
     (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
     rows = x.shape[0]
-    if native and int8 is not None and rows <= INT8_ROWS:
-        return torch.ops.treadle.int8_rows_linear(x, *int8, bias)
+    if native and quantized is not None and rows <= quantized.max_rows:
+        return quantized.linear(x, bias)
     if native and tiles is not None and TILE_FROM_ROWS <= rows <= tile_rows(tiles.dtype):
         return torch.ops.treadle.tiles_linear(x, tiles, bias)
     if native and bf16x3 is not None and rows > PANEL_ROWS:
@@ -143,13 +146,27 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     native = False
-    int8: Int8Weight | None = None
+    quantized: QuantizedWeight | None = None   # a weight-only copy for a few rows
     tiles: torch.Tensor | None = None   # AMX tiles (bf16) or AVX-512 panels (fp32), once `native`
     bf16x3: torch.Tensor | None = None   # fp32's three bf16 parts as AMX tiles, once `native`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.native,
-                      self.int8.tensors if self.int8 is not None else None, self.tiles, self.bf16x3)
+        return linear(x, self.weight, self.bias, self.packed, self.native, self.quantized, self.tiles,
+                      self.bf16x3)
+
+
+class QuantizedWeight(Protocol):
+    """A weight-only copy of a weight that the few-row kernels read in its place, up to
+    `max_rows` rows. It computes the model its `dequantize()` gives, which the weight itself
+    holds, so the GEMMs past those rows compute the same model. `tensors` are what a decode
+    step reads (kernels/hugepages.py may move them)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    max_rows: int
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def dequantize(self) -> torch.Tensor: ...
 
 
 class Int8Weight:
@@ -161,8 +178,13 @@ class Int8Weight:
     is. A weight that still equals its previous quantization keeps it: quantizing q * scale
     again could move a scale by an ulp, and with it the model."""
 
+    max_rows = INT8_ROWS
+
     def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         self.tensors = (q, scales)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.treadle.int8_rows_linear(x, *self.tensors, bias)
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -191,7 +213,8 @@ def quantize_weights(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and Int8Weight.supports(module.weight):
-            module.int8 = Int8Weight.quantize(module.weight, module.int8)
+            previous = module.quantized if isinstance(module.quantized, Int8Weight) else None
+            module.quantized = Int8Weight.quantize(module.weight, previous)
             count += 1
     return count
 
@@ -235,6 +258,6 @@ def unpack_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed = None
-            module.int8 = None
+            module.quantized = None
             module.tiles = None
             module.bf16x3 = None

@@ -16,7 +16,7 @@ from torch import nn
 from treadle.attention.torch_backend import AttentionMetadata, TorchAttention
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.kernels import hugepages
-from treadle.models import layer_stack, linear
+from treadle.models import gguf_weights, layer_stack, linear
 from treadle.models.linear import Linear
 from treadle.models.parallel import MissingLayer, WeightSharder, embedding, row_linear
 from treadle.models.rope import RotaryEmbedding, apply_rope
@@ -152,7 +152,10 @@ class LlamaForCausalLM(nn.Module):
 
     qk_norm = False
     is_packed = False    # pack_weights has run (a no-op off CPU): weight loads re-pack
-    quantization: str | None = None   # "int8": weight-only, set before pack_weights
+    # "int8" or "gguf" (the file's blocks, from gguf_file): weight-only copies for a few rows,
+    # set before pack_weights
+    quantization: str | None = None
+    gguf_file: str | None = None
 
     @staticmethod
     def biases(config) -> tuple[bool, bool]:
@@ -169,8 +172,10 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
         self._tiles_head: torch.Tensor | None = None   # the head for the tile kernel, once native
-        # int8 copy of the head; on a first stage of several with a tied head, of the embedding
-        self._int8_head: linear.Int8Weight | None = None
+        # The head's weight-only copy; on a first stage of several with a tied head, the
+        # embedding's
+        self._quantized_head: linear.QuantizedWeight | None = None
+        self._gguf_blocks: dict[str, gguf_weights.GgufWeight] | None = None   # read once
         self.native_head = False   # the head through the C++ kernel at a few rows
         # This stage's layers in one C++ call per step (models/layer_stack.py); built with the
         # packed weights once the CPU kernels serve the model.
@@ -207,22 +212,21 @@ class LlamaForCausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def int8_copies(self) -> dict[int, linear.Int8Weight]:
-        """The int8 copy that decode reads in place of a weight, by the weight's id: every
-        quantized Linear's, and a tied head's (the embedding table's)."""
-        copies = {id(m.weight): m.int8 for m in self.modules()
-                  if isinstance(m, linear.Linear) and m.int8 is not None}
-        if self._int8_head is not None:
-            copies[id(self._head_weight())] = self._int8_head
+    def quantized_copies(self) -> dict[int, linear.QuantizedWeight]:
+        """The weight-only copy that decode reads in place of a weight, by the weight's id:
+        every quantized Linear's, and a tied head's (the embedding table's)."""
+        copies = {id(m.weight): m.quantized for m in self.modules()
+                  if isinstance(m, linear.Linear) and m.quantized is not None}
+        if self._quantized_head is not None:
+            copies[id(self._head_weight())] = self._quantized_head
         return copies
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler widens them to fp32 only for the rows that
         need more than their argmax."""
-        int8 = self._int8_head.tensors if self._int8_head is not None else None
-        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head, int8,
-                               self._tiles_head)
+        logits = linear.linear(hidden, self._head_weight(), None, self._packed_head, self.native_head,
+                               self._quantized_head, self._tiles_head)
         return self.ctx.all_gather_last_dim(logits)
 
     def pack_weights(self) -> None:
@@ -230,17 +234,21 @@ class LlamaForCausalLM(nn.Module):
         quantizing them if `quantization` is set. `load_weights` packs again by itself once
         the model is packed."""
         device = next(self.parameters()).device
+        embed = self.model.embed_tokens
+        tied_embed = self.lm_head is None and self.tie_word_embeddings and embed is not None
         if self.quantization == "int8":
             linear.quantize_weights(self)   # every Linear, a head of its own among them
-            embed = self.model.embed_tokens
-            if self.lm_head is None and self.tie_word_embeddings and embed is not None:
+            if tied_embed:
                 # The head is the embedding; or, on the first of several stages, the embedding
                 # must hold the same values as the last stage's tied head.
-                self._int8_head = linear.Int8Weight.quantize(embed.weight, self._int8_head)
+                previous = self._quantized_head if isinstance(self._quantized_head, linear.Int8Weight) else None
+                self._quantized_head = linear.Int8Weight.quantize(embed.weight, previous)
+        elif self.quantization == "gguf":
+            self._attach_gguf(tied_embed)
         linear.pack_weights(self, device)
         self._packed_head = None
         if self.lm_head is not None:   # a Linear: packed and quantized above, not a second time
-            self._packed_head, self._int8_head = self.lm_head.packed, self.lm_head.int8
+            self._packed_head, self._quantized_head = self.lm_head.packed, self.lm_head.quantized
         elif linear.packing_supported(device) and self.ctx.is_last_stage:   # only it scores
             self._packed_head = linear.pack(self._head_weight())
         self.is_packed = True
@@ -248,6 +256,18 @@ class LlamaForCausalLM(nn.Module):
         if device.type == "cpu":
             self._place_copies()
         self.layer_stack = layer_stack.build(self)   # over the new copies
+
+    def _attach_gguf(self, tied_embed: bool) -> None:
+        """The GGUF file's blocks for every weight they still equal (models/gguf_weights.py)."""
+        if self._gguf_blocks is None:
+            if self.gguf_file is None:
+                raise ValueError("quantization='gguf' needs the model's GGUF file")
+            self._gguf_blocks = gguf_weights.read(self, self.gguf_file)
+        kept = gguf_weights.attach(self, self._gguf_blocks)
+        for m in self.modules():
+            if isinstance(m, linear.Linear):
+                m.quantized = kept.get(id(m.weight))
+        self._quantized_head = kept.get(id(self.model.embed_tokens.weight)) if tied_embed else None
 
     def _pack_tiles(self) -> None:
         """The tile kernel's copies of the weights the C++ kernels read: AMX tiles in bf16 where
@@ -262,18 +282,18 @@ class LlamaForCausalLM(nn.Module):
             self._tiles_head = linear.pack_tiles(self._head_weight())
 
     def _place_copies(self) -> None:
-        """The tile and int8 copies that decode streams, side by side in huge pages
+        """The tile and weight-only copies that decode streams, side by side in huge pages
         (kernels/hugepages.py). oneDNN's packed copies live in its own memory."""
         linears = [m for m in self.modules() if isinstance(m, linear.Linear)]
-        int8s = {id(w): w for w in [m.int8 for m in linears] + [self._int8_head] if w is not None}
+        copies = {id(w): w for w in [m.quantized for m in linears] + [self._quantized_head] if w is not None}
         tensors = [m.tiles for m in linears] + [self._tiles_head]
-        tensors += [t for w in int8s.values() for t in w.tensors]
+        tensors += [t for w in copies.values() for t in w.tensors]
         placed = iter(hugepages.gather(tensors))
         for m in linears:
             m.tiles = next(placed)
         self._tiles_head = next(placed)
-        for w in int8s.values():
-            w.tensors = (next(placed), next(placed))
+        for w in copies.values():
+            w.tensors = tuple(next(placed) for _ in w.tensors)
 
     def use_cpu_kernels(self) -> None:
         """Run RMSNorm, RoPE, SiLU-and-mul and the linear layers at decode sizes through the C++
@@ -288,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)
         self._packed_head = None
-        self._int8_head = None
+        self._quantized_head = None
         self._tiles_head = None
         self.layer_stack = None
         self.is_packed = False

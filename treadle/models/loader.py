@@ -58,7 +58,7 @@ def resolve_model(model: str | None) -> str:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model folder {model!r} has no config.json")
         return path
-    if _is_gguf(path):
+    if is_gguf(path):
         return path
     raise ValueError(f"model {model!r} is neither a local folder with config.json nor a .gguf "
                      "file (downloading from a model hub is not supported)")
@@ -67,10 +67,11 @@ def resolve_model(model: str | None) -> str:
 def prepare_model(model: str | None) -> str:
     """The folder (or file) the engine loads: a GGUF is converted to a cached HF folder once."""
     path = resolve_model(model)
-    return gguf_as_folder(path) if _is_gguf(path) else path
+    return gguf_as_folder(path) if is_gguf(path) else path
 
 
-def _is_gguf(path: str) -> bool:
+def is_gguf(path: str) -> bool:
+    """Whether `path` names a GGUF file."""
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
@@ -88,7 +89,7 @@ def load_hf_config(model_path: str) -> PretrainedConfig:
     """The transformers config of a folder or a GGUF file."""
     from transformers import AutoConfig
 
-    if _is_gguf(model_path):
+    if is_gguf(model_path):
         return copy.deepcopy(_gguf_config(_file_key(model_path)))
     return AutoConfig.from_pretrained(model_path)
 
@@ -97,7 +98,7 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     """The tokenizer, chat template included, from a folder or from a GGUF's metadata."""
     from transformers import AutoTokenizer
 
-    if _is_gguf(model_path):
+    if is_gguf(model_path):
         return copy.deepcopy(_gguf_tokenizer(_file_key(model_path)))
     return AutoTokenizer.from_pretrained(model_path)
 
@@ -256,7 +257,7 @@ def iter_hf_weights(model_path: str, hf_config: PretrainedConfig | None = None
     A tied head is not stored, so it is not yielded. For a GGUF, hf_config supplies the head
     counts that undo llama.cpp's q/k row permutation (read from the file when omitted).
     """
-    if _is_gguf(model_path):
+    if is_gguf(model_path):
         yield from _iter_gguf(model_path, hf_config)
     else:
         yield from _iter_safetensors(model_path)
@@ -358,21 +359,29 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(data.reshape([int(d) for d in reversed(tensor.shape)]))
 
 
-def _iter_gguf(path: str, hf_config: PretrainedConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
-    start = time.perf_counter()
+def gguf_tensors(path: str, hf_config: PretrainedConfig | None) -> Iterator[tuple[str, Any, int | None]]:
+    """(transformers name, GGUF tensor, heads) for each tensor of a GGUF file, where `heads` is
+    the head count whose rows llama.cpp permuted (`unpermute_rope_rows`), or None."""
     reader = _gguf_reader(_file_key(path))
-    arch = _gguf_field(reader, "general.architecture")
+    permuted = _gguf_field(reader, "general.architecture") in _PERMUTED_ARCHS
     num_heads, num_kv_heads = _gguf_head_counts(reader, hf_config)
-    permuted = arch in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         if tensor.name in _GGUF_SKIPPED:
             continue
         name = gguf_to_hf_name(tensor.name)
-        weight = _dequantize(tensor)
+        heads = None
         if permuted and name.endswith("self_attn.q_proj.weight"):
-            weight = unpermute_rope_rows(weight, num_heads)
+            heads = num_heads
         elif permuted and name.endswith("self_attn.k_proj.weight"):
-            weight = unpermute_rope_rows(weight, num_kv_heads)
-        yield name, weight
-    logger.info("read %d GGUF tensors from %s in %.1fs", len(reader.tensors), path,
-                time.perf_counter() - start)
+            heads = num_kv_heads
+        yield name, tensor, heads
+
+
+def _iter_gguf(path: str, hf_config: PretrainedConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
+    start = time.perf_counter()
+    count = 0
+    for name, tensor, heads in gguf_tensors(path, hf_config):
+        weight = _dequantize(tensor)
+        yield name, weight if heads is None else unpermute_rope_rows(weight, heads)
+        count += 1
+    logger.info("read %d GGUF tensors from %s in %.1fs", count, path, time.perf_counter() - start)

@@ -79,6 +79,7 @@ class ModelRunner:
         # RoPE tables are computed, not loaded, and stay fp32, as in transformers.
         self.model.model.rotary.compute_tables()
         self.model.quantization = cfg.quantization
+        self.model.gguf_file = cfg.gguf_file
         if self.native_kernels:
             self.model.use_cpu_kernels()
         self.model.pack_weights()

@@ -23,10 +23,11 @@
 
 namespace {
 
-// Rows up to which each few-row kernel serves, and from which the tile kernel does
-// (models/linear.py's SMALL_ROWS, INT8_ROWS, TILE_FROM_ROWS and TILE_ROWS).
+// Rows up to which the dense few-row kernel serves, and from which and up to which the tile
+// kernel does (models/linear.py's SMALL_ROWS, TILE_FROM_ROWS and TILE_ROWS). A quantized copy
+// carries its own limit.
 struct RowLimits {
-  int64_t small_rows, int8_rows, tile_from_rows, tile_rows;
+  int64_t small_rows, tile_from_rows, tile_rows;
 };
 
 // models/linear.py's gemm_rows: the row count a packed GEMM runs at (rounded up to 1/16 of its
@@ -56,7 +57,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 struct StackLinear {
   at::Tensor weight;
   c10::optional<at::Tensor> bias;
-  c10::optional<at::Tensor> q, scales;   // weight-only int8, where the model has it
+  // A weight-only copy for a few rows, where the model has one: int8 q with its scales
+  // (ggml_type -1), or a GGUF file's blocks of that ggml type; it serves up to quant_rows rows.
+  c10::optional<at::Tensor> q, scales;
+  int64_t ggml_type, quant_rows;
   c10::optional<at::Tensor> packed;      // oneDNN's packed copy, where there is one
   c10::optional<at::Tensor> tiles;       // AMX tiles (bf16) or AVX-512 panels (fp32), where there are any
   c10::optional<at::Tensor> bf16x3;      // fp32 in three bf16 parts on AMX tiles, past the panels' rows
@@ -64,7 +68,9 @@ struct StackLinear {
   // The same choice as models/linear.py's linear(), so the same bits.
   at::Tensor operator()(const at::Tensor& x, const RowLimits& limits) const {
     const int64_t rows = x.size(0);
-    if (q.has_value() && rows <= limits.int8_rows) return treadle::int8_rows_linear(x, *q, *scales, bias);
+    if (q.has_value() && rows <= quant_rows)
+      return ggml_type < 0 ? treadle::int8_rows_linear(x, *q, *scales, bias)
+                           : treadle::gguf_rows_linear(x, *q, ggml_type, bias);
     if (tiles.has_value() && rows >= limits.tile_from_rows && rows <= limits.tile_rows)
       return treadle::tiles_linear(x, *tiles, bias);
     if (bf16x3.has_value() && rows > limits.tile_rows) return treadle::bf16x3_linear(x, *bf16x3, bias);
@@ -82,9 +88,9 @@ struct StackLayer {
 class LayerStack : public torch::CustomClassHolder {
  public:
   LayerStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-             int64_t small_rows, int64_t int8_rows, int64_t tile_from_rows, int64_t tile_rows)
+             int64_t small_rows, int64_t tile_from_rows, int64_t tile_rows)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        limits_{small_rows, int8_rows, tile_from_rows, tile_rows} {}
+        limits_{small_rows, tile_from_rows, tile_rows} {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm) {
@@ -94,11 +100,13 @@ class LayerStack : public torch::CustomClassHolder {
 
   // The current layer's next linear: qkv, o, gate_up, down, in that order.
   void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> q,
-                  c10::optional<at::Tensor> scales, c10::optional<at::Tensor> packed,
-                  c10::optional<at::Tensor> tiles, c10::optional<at::Tensor> bf16x3) {
+                  c10::optional<at::Tensor> scales, int64_t ggml_type, int64_t quant_rows,
+                  c10::optional<at::Tensor> packed, c10::optional<at::Tensor> tiles,
+                  c10::optional<at::Tensor> bf16x3) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "add_layer first, then its 4 linears");
-    TORCH_CHECK(q.has_value() == scales.has_value(), "int8 needs both q and scales");
-    layers_.back().linears.push_back({weight, bias, q, scales, packed, tiles, bf16x3});
+    TORCH_CHECK(q.has_value() == (scales.has_value() || ggml_type >= 0),
+                "a quantized copy needs q and either scales (int8) or a ggml type (GGUF blocks)");
+    layers_.back().linears.push_back({weight, bias, q, scales, ggml_type, quant_rows, packed, tiles, bf16x3});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -184,7 +192,7 @@ class LayerStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.class_<LayerStack>("LayerStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t>())
       .def("add_layer", &LayerStack::add_layer)
       .def("add_linear", &LayerStack::add_linear)
       .def("num_layers", &LayerStack::num_layers)

@@ -15,9 +15,12 @@ inline at::Tensor linear_bias(const c10::optional<at::Tensor>& bias, at::ScalarT
   return b;
 }
 
-// gemv.cpp: y = x @ w.T + bias at up to 8 rows of x, dense or weight-only int8.
+// gemv.cpp: y = x @ w.T + bias at up to 8 rows of x, dense, weight-only int8, or over a GGUF
+// file's Q8_0, Q4_0 or Q4_1 blocks (ggml_type 8, 2 or 3).
 at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& bias);
+at::Tensor gguf_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type,
                             const c10::optional<at::Tensor>& bias);
 
 // linear_tiles.cpp: y = x @ w.T + bias in bf16 on AMX tiles, over the weight as

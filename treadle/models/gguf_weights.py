@@ -1,11 +1,13 @@
 """Linear layers over a GGUF file's own blocks (`quantization="gguf"`, opt-in).
 
 A GGUF model loads as its dequantized fp32 weights, which is also what transformers computes
-with. With `quantization="gguf"` the few-row kernel (`gguf_rows_linear`, kernels/csrc/gemv.cpp)
-reads the file's Q8_0, Q4_0 and Q4_1 blocks in place of those weights: SmolLM2's Q4_1 layers
-and Q8_0 head are 96 MB to stream per decode step, against 513 MB in fp32. The kernel rebuilds
-each weight exactly as gguf's dequantizer does, so it computes the same model as the GEMMs on
-the dequantized weights, and greedy output stays token-identical to transformers on the file.
+with. With `quantization="gguf"` the few-row kernel (`gguf_rows_linear`, kernels/csrc/gemv.cpp
+over gguf_blocks.h) reads the file's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks in place of those
+weights: SmolLM2's Q4_1 layers and Q8_0 head are 96 MB to stream per decode step, against 513
+MB in fp32. The kernel rebuilds each weight exactly as gguf's dequantizer does, so it computes
+the same model as the GEMMs on the dequantized weights, and greedy output stays
+token-identical to transformers on the file. Other types are dequantized at load, as without
+it.
 
 A copy is attached only where its blocks dequantize to the weight the model holds, bit for
 bit: after a weight update (RL) a changed weight loses its copy and runs unquantized.
@@ -17,16 +19,18 @@ import logging
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import nn
 
 from treadle.models.loader import gguf_tensors, unpermute_rope_rows
 
 logger = logging.getLogger(__name__)
 
-# ggml's type ids of the blocks the kernel reads, and each block's bytes (32 weights).
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-BLOCK = 32
+# ggml's type ids of the blocks the kernel reads (kernels/csrc/gguf_blocks.h), and each
+# block's bytes: 32 weights, or 256 for the K-quants.
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 
 # Rows up to which `gguf_rows_linear` serves. Past them decoding the blocks costs more than
 # the fp32 panels' reads: SmolLM2's Q4_1 layers took 3.7-4.5, 4.8-6.3, 8.1-10.5 and 11.3-11.6
@@ -42,7 +46,7 @@ class GgufWeight:
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int) -> None:
         if ggml_type not in BLOCK_BYTES:
-            raise ValueError(f"ggml type {ggml_type} is not one of Q4_0, Q4_1, Q8_0")
+            raise ValueError(f"ggml type {ggml_type} is not one of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K")
         self.tensors = (blocks,)
         self.ggml_type = ggml_type
 
@@ -50,22 +54,10 @@ class GgufWeight:
         return torch.ops.treadle.gguf_rows_linear(x, self.tensors[0], self.ggml_type, bias)
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 weight, as gguf.quants computes it: d q exactly, + m rounded once."""
+        """The fp32 weight, as gguf's own dequantizer computes it."""
         (blocks,) = self.tensors
-        rows = blocks.shape[0]
-        b = blocks.view(rows, -1, BLOCK_BYTES[self.ggml_type])
-        d = b[..., 0:2].contiguous().view(torch.float16).float()
-        if self.ggml_type == Q8_0:
-            q = b[..., 2:].contiguous().view(torch.int8).float()
-        else:
-            nibbles = b[..., 4:] if self.ggml_type == Q4_1 else b[..., 2:]
-            q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
-            if self.ggml_type == Q4_0:
-                q -= 8
-        w = d * q
-        if self.ggml_type == Q4_1:
-            w += b[..., 2:4].contiguous().view(torch.float16).float()
-        return w.view(rows, -1)
+        weight = dequantize(blocks.numpy(), GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(weight.reshape(blocks.shape[0], -1))
 
 
 def read(model: nn.Module, path: str) -> dict[str, GgufWeight]:

@@ -8,11 +8,12 @@
 //
 // `int8_rows_linear` is the same loop over weight-only int8 rows (opt-in quantization): a
 // quarter of the fp32 bytes to stream at batch 1. `gguf_rows_linear` runs over a GGUF file's
-// own blocks of 32 weights (Q8_0, Q4_0, Q4_1): an eighth to a quarter of them.
+// own blocks (gguf_blocks.h): a fifth to a quarter of them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gguf_blocks.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -90,76 +91,6 @@ struct Int8Rows {
     // and the kernel would no longer compute the dequantized model exactly.
     asm("" : "+v"(weight));
     return weight;
-  }
-#endif
-};
-
-// A GGUF file's blocks of 32 weights as ggml lays them out, a row of the weight being
-// K / 32 blocks side by side: Q8_0 (fp16 d, 32 int8 q; w = d q), Q4_0 (fp16 d, 16 bytes of
-// nibbles; w = d (q - 8)) and Q4_1 (fp16 d, fp16 m, nibbles; w = d q + m). A block's byte j
-// holds weight j in its low nibble and weight j + 16 in its high one. Every d q is exact in
-// fp32 (11 bits of d times at most 8 of q), so each weight is the one gguf's own dequantizer
-// (gguf.quants) computes, rounded once where m is added: this kernel and the GEMM on the
-// dequantized weights compute the same model.
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
-constexpr int64_t kBlock = 32;
-constexpr int64_t block_bytes(int64_t type) { return type == kQ8_0 ? 34 : type == kQ4_0 ? 18 : 20; }
-
-inline int16_t load_bits16(const uint8_t* p) {
-  int16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return bits;
-}
-inline float half_at(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(load_bits16(p))); }
-
-template <int64_t Type>
-struct GgufRows {
-  const uint8_t* blocks;
-  int64_t blocks_per_row;
-  static constexpr int64_t kBytes = block_bytes(Type);
-  static constexpr int64_t kQuants = Type == kQ4_1 ? 4 : 2;   // the quants' offset in a block
-
-  const uint8_t* block(int64_t col, int64_t i) const { return blocks + (col * blocks_per_row + i / kBlock) * kBytes; }
-  float at(int64_t col, int64_t i) const {
-    const uint8_t* b = block(col, i);
-    const int64_t j = i % kBlock;
-    const float d = half_at(b);
-    if constexpr (Type == kQ8_0) return d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
-    const int nibble = j < 16 ? b[kQuants + j] & 0xF : b[kQuants + j - 16] >> 4;
-    if constexpr (Type == kQ4_0) return d * static_cast<float>(nibble - 8);
-    return d * static_cast<float>(nibble) + half_at(b + 2);
-  }
-  void load16(int64_t col, int64_t i, float* out) const {
-    for (int64_t j = 0; j < kLanes; ++j) out[j] = at(col, i + j);
-  }
-#ifdef __AVX512F__
-  // A whole block, weights i .. i + 31, as two vectors: d and m are widened once per block,
-  // by the CPU's fp16 conversion.
-  static constexpr int kVectors = 2;
-  void loadv(int64_t col, int64_t i, __m512* out) const {
-    const uint8_t* b = block(col, i);
-    const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(load_bits16(b)));
-    __m512i lo, hi;
-    if constexpr (Type == kQ8_0) {
-      lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
-      hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
-    } else {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQuants)));
-      lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
-      hi = _mm512_srli_epi32(bytes, 4);
-      if constexpr (Type == kQ4_0) {
-        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-      }
-    }
-    out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d);
-    out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d);
-    if constexpr (Type == kQ4_1) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_set1_epi16(load_bits16(b + 2)));
-      out[0] = _mm512_add_ps(out[0], m);
-      out[1] = _mm512_add_ps(out[1], m);
-    }
-    asm("" : "+v"(out[0]), "+v"(out[1]));   // as in Int8Rows: keep x * w from being reassociated
   }
 #endif
 };
@@ -340,24 +271,30 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::
 
 at::Tensor gguf_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type,
                             const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(ggml_type == kQ8_0 || ggml_type == kQ4_0 || ggml_type == kQ4_1,
-              "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && x.size(1) % kBlock == 0, "x [M, K] with K a multiple of ", kBlock,
-              " and blocks [N, K / ", kBlock, " * block bytes] expected");
-  const int64_t per_row = x.size(1) / kBlock;
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              blocks.size(1) == per_row * block_bytes(ggml_type), "blocks: contiguous uint8 [N, ", per_row, " * ",
-              block_bytes(ggml_type), "] for K = ", x.size(1));
+  namespace g = treadle::gguf;
+  TORCH_CHECK(g::supported(ggml_type), "ggml_type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14), got ",
+              ggml_type);
+  const int64_t weights = g::block_weights(ggml_type), bytes = g::block_bytes(ggml_type);
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && x.size(1) % weights == 0, "x [M, K] with K a multiple of ",
+              weights, " and blocks [N, K / ", weights, " * ", bytes, "] expected");
+  const int64_t per_row = x.size(1) / weights;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(1) == per_row * bytes,
+              "blocks: contiguous uint8 [N, ", per_row, " * ", bytes, "] for K = ", x.size(1));
   TORCH_CHECK(x.size(0) <= kMaxRows, "gguf_rows_linear takes at most ", kMaxRows, " rows");
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
   at::Tensor holder;
   const at::Tensor* b = checked_bias(bias, blocks.size(0), x.scalar_type(), holder);
   at::Tensor y = at::empty({x.size(0), blocks.size(0)}, x.options());
   const uint8_t* data = blocks.data_ptr<uint8_t>();
+  const int64_t n = blocks.size(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_rows_linear", [&] {
-    if (ggml_type == kQ8_0) gemv_impl<scalar_t>(y, x, GgufRows<kQ8_0>{data, per_row}, blocks.size(0), b);
-    else if (ggml_type == kQ4_0) gemv_impl<scalar_t>(y, x, GgufRows<kQ4_0>{data, per_row}, blocks.size(0), b);
-    else gemv_impl<scalar_t>(y, x, GgufRows<kQ4_1>{data, per_row}, blocks.size(0), b);
+    switch (ggml_type) {
+      case g::kQ8_0: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ8_0>{data, per_row}, n, b);
+      case g::kQ4_0: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ4_0>{data, per_row}, n, b);
+      case g::kQ4_1: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ4_1>{data, per_row}, n, b);
+      case g::kQ4_K: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ4_K>{data, per_row}, n, b);
+      default: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ6_K>{data, per_row}, n, b);
+    }
   });
   return y;
 }

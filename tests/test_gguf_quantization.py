@@ -1,17 +1,14 @@
 """A GGUF file's own blocks (quantization="gguf"): the kernel against gguf's dequantizer, and
-the engine against transformers on the same file: the embedded one (Q4_1, head Q8_0), and a
-copy of it with Q4_K and Q6_K layers."""
+the engine on the embedded Q4_1 file against transformers on the same file."""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from tests import gguf_files
 from treadle import LLM, SamplingParams
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import gguf_weights
@@ -20,27 +17,14 @@ from treadle.models.loader import iter_hf_weights
 
 CPU = torch.device("cpu")
 needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
-Q = GGMLQuantizationType
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
-# Where each K-quant block keeps its fp16 factors (d and dmin; d): gguf cannot quantize to K
-# types, so their blocks are random bytes with these set to sane values.
-K_FACTORS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
 
 def _blocks(ggml_type: GGMLQuantizationType, rows: int, blocks_per_row: int, seed: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks as gguf writes them, the weight gguf's own dequantizer makes of them)."""
-    rng = np.random.default_rng(seed)
-    per_block, nbytes = gguf.GGML_QUANT_SIZES[ggml_type]
-    cols = blocks_per_row * per_block
-    if ggml_type in K_FACTORS:
-        blocks = rng.integers(0, 256, (rows, blocks_per_row, nbytes), dtype=np.uint8)
-        for offset in K_FACTORS[ggml_type]:
-            factors = rng.uniform(1e-3, 1e-2, (rows, blocks_per_row)).astype(np.float16)
-            blocks[..., offset:offset + 2] = factors.view(np.uint8).reshape(rows, blocks_per_row, 2)
-        blocks = blocks.reshape(rows, -1)
-    else:
-        blocks = quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
+    cols = blocks_per_row * 32
+    blocks = quantize(np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32), ggml_type)
     return torch.from_numpy(blocks.copy()), torch.from_numpy(dequantize(blocks, ggml_type).reshape(rows, cols))
 
 
@@ -49,12 +33,13 @@ def _blocks(ggml_type: GGMLQuantizationType, rows: int, blocks_per_row: int, see
 @pytest.mark.parametrize("rows", [1, 2, 3, GGUF_ROWS, 6, 8])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_the_dense_kernel_on_the_dequantized_weights(ggml_type, rows, bias):
-    blocks, weight = _blocks(ggml_type, 72, 3, seed=rows)
+    blocks, weight = _blocks(ggml_type, 72, 18, seed=rows)
     x = torch.randn(rows, weight.shape[1])
     b = torch.randn(weight.shape[0]) if bias else None
     got = torch.ops.treadle.gguf_rows_linear(x, blocks, int(ggml_type), b)
     assert torch.equal(got, torch.ops.treadle.small_rows_linear(x, weight, b))
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+    ref = torch.nn.functional.linear(x, weight, b)   # another summation order
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 
 @needs_native
@@ -62,9 +47,7 @@ def test_kernel_refuses_bad_inputs():
     blocks, _ = _blocks(GGMLQuantizationType.Q4_1, 16, 2, seed=0)
     run = torch.ops.treadle.gguf_rows_linear
     with pytest.raises(RuntimeError, match="ggml_type must be"):
-        run(torch.randn(1, 64), blocks, 13, None)   # Q5_K: not read directly
-    with pytest.raises(RuntimeError, match="multiple of 256"):
-        run(torch.randn(1, 64), blocks, int(GGMLQuantizationType.Q4_K), None)
+        run(torch.randn(1, 64), blocks, int(GGMLQuantizationType.Q4_K), None)   # not read directly
     with pytest.raises(RuntimeError, match="blocks: contiguous uint8"):
         run(torch.randn(1, 64), blocks, int(GGMLQuantizationType.Q8_0), None)   # 34-byte blocks expected
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -164,41 +147,3 @@ def test_a_weight_update_drops_the_copies_it_changes(gguf_llm, smollm2_path):
     finally:
         assert gguf_llm.collective_rpc(update, args=(original,)) == [(False, True)]
 
-
-@pytest.mark.parametrize("ggml_type", sorted(gguf_files.QUANTIZERS))
-def test_the_k_quant_test_blocks_decode_to_their_weights(ggml_type):
-    weight = np.random.default_rng(3).standard_normal((8, 512)).astype(np.float32) * 0.05
-    blocks = gguf_files.QUANTIZERS[ggml_type](weight)
-    assert blocks.shape == (8, 2 * gguf.GGML_QUANT_SIZES[ggml_type][1])
-    # within about half a step of 4-bit rounding over a sub-block (a wrong layout misses by 0.1 and more)
-    np.testing.assert_allclose(dequantize(blocks, ggml_type).reshape(8, 512), weight, atol=0.02)
-
-
-@pytest.fixture(scope="module")
-def k_quant_file(smollm2_path, tmp_path_factory) -> str:
-    """The embedded file with two layers' down projections (1,536 inputs: whole K-quant
-    blocks) in Q4_K and Q6_K, as a Q4_K_M file mixes them."""
-    path = str(tmp_path_factory.mktemp("gguf") / "smollm2-k.gguf")
-    gguf_files.write_with(smollm2_path, path, {"blk.0.ffn_down.weight": Q.Q4_K, "blk.1.ffn_down.weight": Q.Q6_K})
-    return path
-
-
-@needs_native
-def test_k_quant_blocks_equal_transformers_on_their_file(k_quant_file, reference):
-    llm = LLM(k_quant_file, quantization="gguf", dtype="float32", max_model_len=512, block_size=16,
-              num_kv_blocks=128)
-    try:
-        def down_types(worker):
-            layers = worker.runner.model.model.layers
-            return [layers[i].mlp.down_proj.quantized.ggml_type for i in range(3)]
-
-        assert llm.collective_rpc(down_types) == [[gguf_weights.Q4_K, gguf_weights.Q6_K, gguf_weights.Q4_1]]
-        prompts = _prompts(llm)
-        alone = [llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)[0] for p in prompts[:2]]
-        together = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-        for p, a in zip(prompts, alone):
-            assert list(a.outputs[0].token_ids) == reference(k_quant_file).greedy(p, 24)
-        for p, t in zip(prompts, together):
-            assert list(t.outputs[0].token_ids) == reference(k_quant_file).greedy(p, 24)
-    finally:
-        llm.shutdown()

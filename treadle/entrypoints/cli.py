@@ -13,7 +13,7 @@ from treadle.config import EngineArgs
 
 _ENGINE_HELP = {
     "dtype": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)",
-    "quantization": "int8: weight-only int8; gguf: a .gguf model's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks "
+    "quantization": "int8: weight-only int8; gguf: a .gguf model's own Q4_0/Q4_1/Q8_0 blocks "
                     "(both for batch-1 latency; CPU, float32; opt-in)",
     "max_model_len": "longest prompt + output, in tokens (default: the model's own limit)",
     "block_size": "tokens per KV-cache block (default: 128 on CPU, as vLLM-CPU; 16 on GPU)",

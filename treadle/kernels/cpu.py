@@ -12,8 +12,8 @@
   which streams each weight row once where oneDNN's GEMM, tuned for many rows, reads weights
   at about half that rate.
 - `int8_rows_linear`: the same over weight-only int8 rows (`quantization="int8"`,
-  `linear.INT8_ROWS`), and `gguf_rows_linear` over a GGUF file's own Q4_0, Q4_1, Q8_0,
-  Q4_K and Q6_K blocks (`quantization="gguf"`, models/gguf_weights.py).
+  `linear.INT8_ROWS`), and `gguf_rows_linear` over a GGUF file's own Q4_0, Q4_1 and Q8_0
+  blocks (`quantization="gguf"`, models/gguf_weights.py).
 - `tiles_linear`: a bf16 linear layer on AMX tiles from a few rows to a few dozen (decode at
   larger batch; `linear.TILE_FROM_ROWS`, `linear.TILE_ROWS`), over the weight packed once as
   tiles (`pack_linear_tiles`), where the CPU has AMX. In fp32 the same calls run an AVX-512

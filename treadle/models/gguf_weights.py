@@ -2,12 +2,11 @@
 
 A GGUF model loads as its dequantized fp32 weights, which is also what transformers computes
 with. With `quantization="gguf"` the few-row kernel (`gguf_rows_linear`, kernels/csrc/gemv.cpp
-over gguf_blocks.h) reads the file's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks in place of those
-weights: SmolLM2's Q4_1 layers and Q8_0 head are 96 MB to stream per decode step, against 513
-MB in fp32. The kernel rebuilds each weight exactly as gguf's dequantizer does, so it computes
-the same model as the GEMMs on the dequantized weights, and greedy output stays
-token-identical to transformers on the file. Other types are dequantized at load, as without
-it.
+over gguf_blocks.h) reads the file's Q4_0, Q4_1 and Q8_0 blocks in place of those weights:
+SmolLM2's Q4_1 layers and Q8_0 head are 96 MB to stream per decode step, against 513 MB in
+fp32. The kernel rebuilds each weight exactly as gguf's dequantizer does, so it computes the
+same model as the GEMMs on the dequantized weights, and greedy output stays token-identical to
+transformers on the file. Other types are dequantized at load, as without it.
 
 A copy is attached only where its blocks dequantize to the weight the model holds, bit for
 bit: after a weight update (RL) a changed weight loses its copy and runs unquantized.
@@ -28,9 +27,10 @@ from treadle.models.loader import gguf_tensors, unpermute_rope_rows
 logger = logging.getLogger(__name__)
 
 # ggml's type ids of the blocks the kernel reads (kernels/csrc/gguf_blocks.h), and each
-# block's bytes: 32 weights, or 256 for the K-quants.
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
+# block's bytes (32 weights). The K-quants read so ran no faster than fp32 at one row
+# (docs/benchmarks.md), so they are dequantized at load like every other type.
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 # Rows up to which `gguf_rows_linear` serves. Past them decoding the blocks costs more than
 # the fp32 panels' reads: SmolLM2's Q4_1 layers took 3.7-4.5, 4.8-6.3, 8.1-10.5 and 11.3-11.6
@@ -46,7 +46,7 @@ class GgufWeight:
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int) -> None:
         if ggml_type not in BLOCK_BYTES:
-            raise ValueError(f"ggml type {ggml_type} is not one of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K")
+            raise ValueError(f"ggml type {ggml_type} is not one of Q4_0, Q4_1, Q8_0")
         self.tensors = (blocks,)
         self.ggml_type = ggml_type
 

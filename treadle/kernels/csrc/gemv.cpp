@@ -272,9 +272,8 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::
 at::Tensor gguf_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type,
                             const c10::optional<at::Tensor>& bias) {
   namespace g = treadle::gguf;
-  TORCH_CHECK(g::supported(ggml_type), "ggml_type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14), got ",
-              ggml_type);
-  const int64_t weights = g::block_weights(ggml_type), bytes = g::block_bytes(ggml_type);
+  TORCH_CHECK(g::supported(ggml_type), "ggml_type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", ggml_type);
+  const int64_t weights = g::kBlock, bytes = g::block_bytes(ggml_type);
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && x.size(1) % weights == 0, "x [M, K] with K a multiple of ",
               weights, " and blocks [N, K / ", weights, " * ", bytes, "] expected");
   const int64_t per_row = x.size(1) / weights;
@@ -291,9 +290,7 @@ at::Tensor gguf_rows_linear(const at::Tensor& x, const at::Tensor& blocks, int64
     switch (ggml_type) {
       case g::kQ8_0: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ8_0>{data, per_row}, n, b);
       case g::kQ4_0: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ4_0>{data, per_row}, n, b);
-      case g::kQ4_1: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ4_1>{data, per_row}, n, b);
-      case g::kQ4_K: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ4_K>{data, per_row}, n, b);
-      default: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ6_K>{data, per_row}, n, b);
+      default: return gemv_impl<scalar_t>(y, x, g::Rows<g::kQ4_1>{data, per_row}, n, b);
     }
   });
   return y;

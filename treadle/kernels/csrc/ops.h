@@ -16,7 +16,7 @@ inline at::Tensor linear_bias(const c10::optional<at::Tensor>& bias, at::ScalarT
 }
 
 // gemv.cpp: y = x @ w.T + bias at up to 8 rows of x, dense, weight-only int8, or over a GGUF
-// file's Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks (gguf_blocks.h; ggml_type 2, 3, 8, 12 or 14).
+// file's Q4_0, Q4_1 or Q8_0 blocks (gguf_blocks.h; ggml_type 2, 3 or 8).
 at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& bias);

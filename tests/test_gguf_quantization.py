@@ -147,3 +147,24 @@ def test_a_weight_update_drops_the_copies_it_changes(gguf_llm, smollm2_path):
     finally:
         assert gguf_llm.collective_rpc(update, args=(original,)) == [(False, True)]
 
+
+
+def _stage_copies(worker) -> tuple[bool, int, bool]:
+    model = worker.runner.model
+    linears = sum(isinstance(m.quantized, GgufWeight) for m in model.modules() if hasattr(m, "quantized"))
+    return model.ctx.is_last_stage, linears, model._quantized_head is not None
+
+
+@needs_native
+def test_two_pipeline_stages_read_their_own_layers_blocks(smollm2_path, reference):
+    llm = LLM(smollm2_path, quantization="gguf", dtype="float32", max_model_len=256, block_size=16,
+              num_kv_blocks=64, pipeline_parallel_size=2)
+    try:
+        # 15 layers of 4 linears each; the last stage's tied head (its own copy of the
+        # embedding, a Linear) reads the embedding's Q8_0 blocks, and only it scores.
+        assert llm.collective_rpc(_stage_copies) == [(False, 60, False), (True, 61, True)]
+        prompt = _prompts(llm)[0]
+        out = llm.generate([{"prompt_token_ids": prompt}], PARAMS, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == reference(smollm2_path).greedy(prompt, 24)
+    finally:
+        llm.shutdown()

@@ -267,7 +267,9 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, linear.Linear):
                 m.quantized = kept.get(id(m.weight))
-        self._quantized_head = kept.get(id(self.model.embed_tokens.weight)) if tied_embed else None
+        # Only the last stage scores: a first stage's tied embedding needs no copy.
+        scores = tied_embed and self.ctx.is_last_stage
+        self._quantized_head = kept.get(id(self.model.embed_tokens.weight)) if scores else None
 
     def _pack_tiles(self) -> None:
         """The tile kernel's copies of the weights the C++ kernels read: AMX tiles in bf16 where

@@ -5,8 +5,7 @@ and the file's own blocks (quantization="gguf"), each kernel in turn on the same
     .venv/bin/python benchmarks/weight_only.py [--rows 1,2,4,6] [--model FILE.gguf] [--only ffn_down]
 
 The default model is the embedded SmolLM2 (Q4_1 layers). `--only` keeps the weights whose
-GGUF name contains it. Time nothing else while it runs: the
-machine has two cores.
+GGUF name contains it. Time nothing else while it runs: the machine has two cores.
 """
 
 from __future__ import annotations
@@ -16,9 +15,9 @@ import statistics
 import time
 
 import gguf
-from gguf import GGMLQuantizationType
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from treadle.kernels.cpu import cpu_kernels_available

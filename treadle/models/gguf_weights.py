@@ -84,7 +84,7 @@ def read(model: nn.Module, path: str) -> dict[str, GgufWeight]:
     for param, pieces in parts.items():
         pieces.sort(key=lambda p: p[0])
         types = {t for _, t, _ in pieces}
-        blocks = torch.cat([b for _, _, b in pieces]).contiguous()
+        blocks = torch.cat([b for _, _, b in pieces])   # a new, contiguous tensor
         if len(types) == 1 and blocks.shape[0] == params[param].shape[0]:
             copies[param] = GgufWeight(blocks, types.pop())
         else:

@@ -85,11 +85,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            quantized: QuantizedWeight | None = None,
            tiles: torch.Tensor | None = None, bf16x3: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias where `native`: the weight-only copy up to its `max_rows` where
-    there is one,
-    the tile kernel from TILE_FROM_ROWS to tile_rows() where the weight has tiles, the bf16x3
-    kernel past that where the weight has its parts, the few-row kernel up to SMALL_ROWS; else
-    the packed GEMM where there is a packed weight, else torch's. The layer stack
-    (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
+    there is one, the tile kernel from TILE_FROM_ROWS to tile_rows() where the weight has
+    tiles, the bf16x3 kernel past that where the weight has its parts, the few-row kernel up to
+    SMALL_ROWS; else the packed GEMM where there is a packed weight, else torch's. The layer
+    stack (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
     rows = x.shape[0]
     if native and quantized is not None and rows <= quantized.max_rows:
         return quantized.linear(x, bias)

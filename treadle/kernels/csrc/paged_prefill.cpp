@@ -18,7 +18,9 @@
 // Keys come in tiles of kKeys, each converted to fp32 once (read in place when it already is)
 // and used by every query of the item, with an online softmax across tiles, lane by lane.
 // Both products are fused multiply-adds where the CPU has them, as in the decode kernel. With
-// AVX512-BF16, bf16 scores come from q and k as stored, two products per instruction.
+// AVX512-BF16, bf16 scores come from q and k as stored, two products per instruction, and so
+// does P V: V's rows are paired by key as they are read, P is rounded to bf16 (as the AMX
+// kernel rounds it) and paired the same way, and the softmax's exp is computed inline.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -67,6 +69,31 @@ inline float madd(float a, float b, float c) {
 #endif
 }
 
+#ifdef __AVX512F__
+// The online softmax of one lane vector over a tile: p (kKeys scores per lane, kMasked where
+// masked) becomes e^(p - max), 0 where masked; m and l, the lanes' running max and sum, take
+// the tile in; returns alpha = e^(old max - new max), by which what came before is rescaled.
+// The inline exp: libmvec's is a call that spills the loop's registers.
+inline __m512 online_softmax(float (*p)[kLanes], float* m, float* l) {
+  const __m512 old_max = _mm512_loadu_ps(m);
+  __m512 mx = old_max;
+  for (int64_t j = 0; j < kKeys; ++j) mx = _mm512_max_ps(mx, _mm512_load_ps(p[j]));
+  const __m512 floor = _mm512_set1_ps(kExpFloor), masked = _mm512_set1_ps(kMasked);
+  const __m512 alpha = treadle::vec::exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, mx), floor));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const __m512 s = _mm512_load_ps(p[j]);
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, masked, _CMP_NEQ_OQ),
+                                         treadle::vec::exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(s, mx), floor)));
+    _mm512_store_ps(p[j], e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_storeu_ps(m, mx);
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
+  return alpha;
+}
+#endif
+
 #ifdef __AVX512BF16__
 // bf16 scores from pairs, for one lane vector and kKeyBlock keys: q as [d / 2][lane] pairs
 // (`width` words apart), k as [key][d / 2] pairs (`key_stride` words apart). VDPBF16PS
@@ -82,6 +109,57 @@ inline void score_pairs(const uint32_t* qp, int64_t width, const uint32_t* kp, i
       acc[j] = _mm512_dpbf16_ps(acc[j], q, (__m512bh)_mm512_set1_epi32(static_cast<int>(kp[j * key_stride + d2])));
   }
   for (int64_t j = 0; j < kKeyBlock; ++j) _mm512_storeu_ps(s[j], _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
+}
+
+// Word indices for _mm512_permutex2var_epi16(a, idx, b) that interleave 16 words of a with 16
+// of b, a's first: from `first` on, a[i] goes to word 2i and b[i] to word 2i + 1.
+inline __m512i interleave_words(int first) {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<uint16_t>(first + i);
+    idx[2 * i + 1] = static_cast<uint16_t>(32 + first + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// V rows r0 and r1 (keys 2kp and 2kp + 1) as pairs of keys: word d of dst holds r0[d] in its
+// low half and r1[d] in its high half, one B operand of VDPBF16PS per d. head_dim % 32 == 0.
+inline void pair_rows(const uint16_t* r0, const uint16_t* r1, int64_t head_dim, uint32_t* dst) {
+  const __m512i lo = interleave_words(0), hi = interleave_words(16);
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    const __m512i a = _mm512_loadu_si512(r0 + d), b = _mm512_loadu_si512(r1 + d);
+    _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
+// acc[d0 + dd] rows of one lane vector, in registers while a key tile goes by.
+constexpr int64_t kPairDims = 16;
+// The widest head the paired P V takes (a row of zeros stands in for keys past the end).
+constexpr int64_t kMaxPairedDim = 256;
+
+// acc[d][lane] = alpha * acc + sum over keys of v[key][d] p[key][lane] for one lane vector,
+// with P rounded to bf16 and both operands in key pairs (vp from pair_rows); acc is
+// [head_dim][width] from this lane vector's column.
+inline void pv_pairs(const float (*p)[kLanes], __m512 alpha, float* acc, int64_t width, const uint32_t* vp,
+                     int64_t head_dim) {
+  // Pair words: key 2kp's value in the low half of word i, key 2kp + 1's in the high half.
+  alignas(64) static const uint16_t kPairIdx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pair_idx = _mm512_load_si512(kPairIdx);
+  __m512bh pp[kKeys / 2];
+  for (int64_t kp = 0; kp < kKeys / 2; ++kp)
+    pp[kp] = (__m512bh)_mm512_permutexvar_epi16(
+        pair_idx, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[2 * kp + 1]), _mm512_load_ps(p[2 * kp])));
+  for (int64_t d0 = 0; d0 < head_dim; d0 += kPairDims) {
+    __m512 a[kPairDims];
+    for (int64_t dd = 0; dd < kPairDims; ++dd) a[dd] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + dd) * width), alpha);
+    for (int64_t kp = 0; kp < kKeys / 2; ++kp)
+      for (int64_t dd = 0; dd < kPairDims; ++dd)
+        a[dd] = _mm512_dpbf16_ps(a[dd], pp[kp],
+                                 (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[kp * head_dim + d0 + dd])));
+    for (int64_t dd = 0; dd < kPairDims; ++dd) _mm512_storeu_ps(acc + (d0 + dd) * width, a[dd]);
+  }
 }
 #endif
 
@@ -118,6 +196,8 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   // stored; the scale comes after). qt and kt then hold pairs.
   const bool paired = treadle::vec::kPairedBf16 && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 2 == 0;
   const int64_t half_dim = head_dim / 2;
+  // P V from pairs too, where V's rows are whole vectors of pairs.
+  const bool paired_pv = paired && head_dim % 32 == 0 && head_dim <= kMaxPairedDim;
   const int64_t threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -187,6 +267,21 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           kv_stride = dim_pad;
           // Keys past `end` are zeros, not whatever the cache holds there: p is 0 for them,
           // but 0 times a stale NaN is still NaN.
+#ifdef __AVX512BF16__
+          if (paired_pv) {   // K's rows as stored; V's rows paired by key into vt
+            static const uint16_t zeros[kMaxPairedDim] = {};
+            const uint16_t* v_rows[kKeys];
+            for (int64_t j = 0; j < kKeys; ++j) {
+              const int64_t t = t0 + j;
+              const int64_t off = t < end ? row_of(t) : -1;
+              std::memcpy(kt + j * dim_pad, off < 0 ? static_cast<const void*>(zeros) : k_data + off,
+                          head_dim * sizeof(scalar_t));
+              v_rows[j] = off < 0 ? zeros : reinterpret_cast<const uint16_t*>(v_data + off);
+            }
+            for (int64_t kp = 0; kp < kKeys / 2; ++kp)
+              pair_rows(v_rows[2 * kp], v_rows[2 * kp + 1], head_dim, reinterpret_cast<uint32_t*>(vt) + kp * head_dim);
+          } else
+#endif
           for (int64_t j = 0; j < kKeys; ++j) {
             float* kr = kt + j * dim_pad;
             float* vr = vt + j * dim_pad;
@@ -242,6 +337,17 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
               for (int64_t i = 0; i < kLanes; ++i) p[j0 + j][i] = key <= pos[b + i] ? s[j][i] : kMasked;
             }
           }
+#ifdef __AVX512F__
+          const __m512 alpha_vec = online_softmax(p, m + b, l + b);
+#ifdef __AVX512BF16__
+          if (paired_pv) {
+            pv_pairs(p, alpha_vec, acc + b, width, reinterpret_cast<const uint32_t*>(vr0), head_dim);
+            continue;
+          }
+#endif
+          alignas(64) float alpha[kLanes];
+          _mm512_store_ps(alpha, alpha_vec);
+#else
           // Online softmax, lane-wise: rescale what came before by exp(old max - new max).
           float mx[kLanes], alpha[kLanes], sum[kLanes];
 #pragma omp simd
@@ -264,6 +370,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
             }
 #pragma omp simd
           for (int64_t i = 0; i < kLanes; ++i) l[b + i] = l[b + i] * alpha[i] + sum[i];
+#endif
           // acc[d][lane] = alpha * acc + sum over keys of v[key][d] * p[key][lane], kDimBlock
           // rows of acc in registers while the tile's keys go by.
           for (int64_t d0 = 0; d0 < dim_pad; d0 += kDimBlock) {

@@ -282,7 +282,16 @@ void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, flo
   const scalar_t* rows[16];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - t0);
-    for (int64_t j = 0; j < n; ++j) rows[j] = it.row(c.k, t0 + j, 0, bytes);
+    for (int64_t j = 0; j < n; ++j) {
+      rows[j] = it.row(c.k, t0 + j, 0, bytes);
+      // In 16-bit caches, the tile's V rows are asked for into L2 now: the V pass then finds
+      // them there, and memory serves two streams during the score pass where it served one
+      // (64 sequences of 640 tokens, Zen 5: 7% faster; fp32 level to slower, docs/benchmarks.md).
+      if constexpr (sizeof(scalar_t) == 2) {
+        const char* v_row = reinterpret_cast<const char*>(it.at(c.v, t0 + j, 0));
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(v_row + b, 0, 2);
+      }
+    }
     for (int64_t g = 0; g < it.kv_heads; ++g)
       for (int64_t h = 0; h < c.group; h += kHeadTile<D>)
         products_tile<scalar_t, D, kHeadTile<D>>(it, rows, n, g, g * c.group + h, c.group - h, qf, part);

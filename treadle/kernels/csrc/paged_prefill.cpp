@@ -55,6 +55,9 @@ constexpr int64_t kDimBlock = 8;
 // Query vectors (rows x the group's heads) per work item: enough that a K/V tile serves many
 // queries; the item's buffers (q, acc: 12 KiB each at head_dim 64) stay in L1/L2.
 constexpr int64_t kItemQueries = 48;
+// The widest head whose bf16 P V comes from pairs (a row of zeros stands in for keys past the
+// end of a span).
+constexpr int64_t kMaxPairedDim = 256;
 using treadle::prefill::Item;
 using treadle::prefill::kExpFloor;
 using treadle::prefill::kMasked;
@@ -135,8 +138,6 @@ inline void pair_rows(const uint16_t* r0, const uint16_t* r1, int64_t head_dim, 
 
 // acc[d0 + dd] rows of one lane vector, in registers while a key tile goes by.
 constexpr int64_t kPairDims = 16;
-// The widest head the paired P V takes (a row of zeros stands in for keys past the end).
-constexpr int64_t kMaxPairedDim = 256;
 
 // acc[d][lane] = alpha * acc + sum over keys of v[key][d] p[key][lane] for one lane vector,
 // with P rounded to bf16 and both operands in key pairs (vp from pair_rows); acc is

@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/decode_step.py --batch 32 --context 300 [--dtype bfloat16]
         [--tile-rows 0]
 
---tile-rows overrides models/linear.py's TILE_ROWS and PANEL_ROWS (0: the AMX tile kernel in
-bf16, or the AVX-512 panel kernel in fp32, serves no rows),
+--tile-rows overrides models/linear.py's TILE_ROWS, PAIR_ROWS and PANEL_ROWS (0: the AMX tile
+kernel or the pairs kernel in bf16, or the AVX-512 panel kernel in fp32, serves no rows),
 to compare a kernel path on and off in separate processes, taking turns. Time nothing else
 while it runs: the machine has two cores.
 """
@@ -33,7 +33,7 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.tile_rows is not None:
         # read when the model builds its layer stack
-        linear.TILE_ROWS = linear.PANEL_ROWS = ns.tile_rows
+        linear.TILE_ROWS = linear.PAIR_ROWS = linear.PANEL_ROWS = ns.tile_rows
     llm = LLM(prepare_model(None), dtype=ns.dtype, enable_prefix_caching=False,
               max_model_len=ns.context + ns.steps + 64)
     executor = llm.engine.core.executor
@@ -59,7 +59,7 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     last = step_times[-ns.steps:]
     print(f"{ns.dtype} batch {ns.batch} at {ns.context} tokens, TILE_ROWS {linear.TILE_ROWS}, "
-          f"PANEL_ROWS {linear.PANEL_ROWS}: decode step median {1000 * statistics.median(last):.1f} ms "
+          f"PAIR_ROWS {linear.PAIR_ROWS}, PANEL_ROWS {linear.PANEL_ROWS}: decode step median {1000 * statistics.median(last):.1f} ms "
           f"over {len(last)} steps")
     llm.shutdown()
 

@@ -1,7 +1,7 @@
 """The layer stack (models/layer_stack.py): a stage's layers in one C++ call per step. It must
 compute the Python layers' bits exactly, so greedy tokens and every logprob agree with the
-stack on and off: for each architecture, with int8, in bf16 (on AMX tiles where the CPU has
-them), at batch sizes on each side of the few-row kernels' limits (the stack then takes
+stack on and off: for each architecture, with int8, in bf16 (on AMX tiles or bf16 pairs where
+the CPU has them), at batch sizes on each side of the few-row kernels' limits (the stack then takes
 oneDNN's packed GEMM, as the Python layers do), and in
 steps of prefill chunks alone and of chunks beside decodes; and it must actually run."""
 
@@ -18,6 +18,7 @@ from treadle.models import layer_stack, linear
 CPU = torch.device("cpu")
 needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
 HAS_AMX = cpu.cpu_has(*cpu.AMX_FLAGS)
+HAS_PAIRS = cpu.cpu_has("avx512_bf16")
 HAS_AVX512 = cpu.cpu_has("avx512f")
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 11, [42, 17, 99, 5, 23, 64, 1000],
@@ -42,7 +43,7 @@ def _runs(llm: LLM) -> list:
 @needs_native
 @pytest.mark.parametrize("arch, quantization, dtype", [("llama", None, "float32"), ("qwen2", None, "float32"),
                                                        ("qwen3", None, "float32"), ("llama", "int8", "float32"),
-                                                       ("llama", None, "bfloat16")])   # on AMX tiles or panels, where there are
+                                                       ("llama", None, "bfloat16")])   # on AMX tiles or pairs, where there are
 def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, arch, quantization, dtype):
     steps = []   # (decodes, prefill rows) of each step the stack ran
     run_stack = layer_stack.forward
@@ -58,7 +59,7 @@ def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, ar
     try:
         assert model.layer_stack is not None and model.layer_stack.num_layers() == 3
         tiled = model.model.layers[0].mlp.down_proj.tiles is not None
-        assert tiled == (HAS_AMX if dtype == "bfloat16" else HAS_AVX512)   # AMX tiles, or fp32 panels
+        assert tiled == ((HAS_AMX or HAS_PAIRS) if dtype == "bfloat16" else HAS_AVX512)   # AMX tiles or pairs, fp32 panels
         with_stack = _runs(llm)
         decode_rows = {d for d, p in steps if p == 0}
         assert {1, linear.SMALL_ROWS, len(PROMPTS)} <= decode_rows

@@ -1,7 +1,8 @@
-"""The bf16 linear on AMX tiles (kernels/csrc/linear_tiles.cpp) against a float64 GEMM, and its
-use in the model: bf16 weights get tiles only where the CPU has AMX, and decode steps of
-TILE_FROM_ROWS to TILE_ROWS rows run on them. On a CPU without AMX the same tests hold the
-kernel to refusing, so they run, and mean something, on either kind of machine."""
+"""The bf16 tile entry points (kernels/csrc/linear_tiles.cpp) against a float64 GEMM, and their
+use in the model: bf16 weights get AMX tiles where the CPU has AMX, else panels of bf16 pairs
+where it has AVX512-BF16 (linear_pairs.cpp, tests/test_linear_pairs.py), and decode steps of
+the rows linear.tile_rows() gives run on them. On a CPU with neither the same tests
+hold the kernel to refusing, so they run, and mean something, on every kind of machine."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from treadle.models import linear
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
 HAS_AMX = cpu.cpu_has(*cpu.AMX_FLAGS)
+HAS_PAIRS = cpu.cpu_has("avx512_bf16")
+HAS_TILES = HAS_AMX or HAS_PAIRS
 
 
 @needs_kernels
@@ -27,7 +30,7 @@ def test_tiles_linear_matches_a_float64_gemm(rows, out_features, in_features, bi
     w = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
     x = torch.randn(rows, in_features).bfloat16()
     b = torch.randn(out_features).bfloat16() if bias else None
-    if refused_without(HAS_AMX, "tiles", w, "AMX"):
+    if refused_without(HAS_TILES, "tiles", w, "AMX"):
         return
     assert torch.ops.treadle.linear_tiles_ready(w)
     got = torch.ops.treadle.tiles_linear(x, torch.ops.treadle.pack_linear_tiles(w), b)
@@ -41,7 +44,7 @@ def test_tiles_linear_matches_a_float64_gemm(rows, out_features, in_features, bi
 def test_tiles_linear_takes_strided_rows_and_an_empty_batch():
     torch.manual_seed(0)
     w = torch.randn(64, 64).bfloat16()
-    if refused_without(HAS_AMX, "tiles", w, "AMX"):
+    if refused_without(HAS_TILES, "tiles", w, "AMX"):
         return
     wide = torch.randn(5, 200).bfloat16()
     x = wide[:, 10:74]   # rows a stride apart, as a slice of a fused tensor is
@@ -52,16 +55,20 @@ def test_tiles_linear_takes_strided_rows_and_an_empty_batch():
 
 
 @needs_kernels
-def test_tiles_are_for_bf16_weights_of_whole_tiles_on_amx(monkeypatch):
+def test_bf16_weights_get_amx_tiles_else_pairs(monkeypatch):
     w = torch.randn(64, 64).bfloat16()
-    assert torch.ops.treadle.linear_tiles_ready(w) == HAS_AMX
+    assert torch.ops.treadle.linear_tiles_ready(w) == HAS_TILES
+    if HAS_TILES:
+        assert linear.pack_tiles(w).dim() == (4 if HAS_AMX else 3)   # the copy's rank names its kernel
     assert not torch.ops.treadle.linear_tiles_ready(w.double())          # bf16 (fp32: panels)
-    assert not torch.ops.treadle.linear_tiles_ready(w[:48].contiguous())  # outputs in pairs of 16
-    assert not torch.ops.treadle.linear_tiles_ready(w[:, :48].contiguous())  # inputs in 32s
+    assert not torch.ops.treadle.linear_tiles_ready(w[:48].contiguous())  # outputs in 32s, for both
+    # inputs: AMX tiles take whole 32s, pairs any even count
+    assert torch.ops.treadle.linear_tiles_ready(w[:, :48].contiguous()) == HAS_PAIRS
+    assert not torch.ops.treadle.linear_tiles_ready(w[:, :47].contiguous())
     assert linear.pack_tiles(w.double()) is None
-    monkeypatch.setenv("TREADLE_AMX", "0")
-    assert not torch.ops.treadle.linear_tiles_ready(w)
-    assert linear.pack_tiles(w) is None
+    monkeypatch.setenv("TREADLE_AMX", "0")   # AMX's switch: pairs need no tiles
+    assert torch.ops.treadle.linear_tiles_ready(w) == HAS_PAIRS
+    assert (linear.pack_tiles(w).dim() == 3) if HAS_PAIRS else (linear.pack_tiles(w) is None)
 
 
 @needs_kernels
@@ -71,8 +78,8 @@ def test_tiles_linear_refuses_what_it_cannot_take():
         torch.ops.treadle.pack_linear_tiles(w[:48].contiguous())
     with pytest.raises(RuntimeError, match="a bf16"):
         torch.ops.treadle.pack_linear_tiles(w.double())
-    packed = torch.ops.treadle.pack_linear_tiles(w)   # packing needs no AMX, only the layout
-    assert packed.shape == (4, 2, 16, 32)
+    packed = torch.ops.treadle.pack_linear_tiles(w)   # AMX's layout needs no AMX to pack
+    assert packed.shape == ((2, 32, 64) if HAS_PAIRS and not HAS_AMX else (4, 2, 16, 32))
     with pytest.raises(RuntimeError, match="x has 32 inputs, the packed weight 64"):
         torch.ops.treadle.tiles_linear(torch.zeros(2, 32).bfloat16(), packed, None)
     with pytest.raises(RuntimeError, match="bias"):
@@ -83,21 +90,26 @@ def test_tiles_linear_refuses_what_it_cannot_take():
 
 @needs_kernels
 def test_linear_routes_the_tile_kernels_rows(monkeypatch):
-    """Only with tiles and `native`, only from TILE_FROM_ROWS to TILE_ROWS rows; the few-row
-    kernel keeps batch 1, oneDNN's GEMM the rest."""
+    """Only with tiles and `native`, only over the rows tile_rows() gives: TILE_FROM_ROWS to
+    TILE_ROWS on AMX tiles (the few-row kernel keeps batch 1), 1 to PAIR_ROWS on pairs;
+    oneDNN's GEMM the rest."""
     layer = linear.Linear(64, 64).bfloat16()
     linear.pack_weights(layer, CPU)
     calls = []
     kernel = torch.ops.treadle.tiles_linear
     monkeypatch.setattr(torch.ops.treadle, "tiles_linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
-    counts = (1, linear.TILE_FROM_ROWS, linear.TILE_ROWS, linear.TILE_ROWS + 1)
-    x = {n: torch.randn(n, 64).bfloat16() for n in counts}
     layer.native = True
-    assert linear.pack_weight_tiles(layer) == int(HAS_AMX)
+    assert linear.pack_weight_tiles(layer) == int(HAS_TILES)
+    first, last = (linear.TILE_FROM_ROWS, linear.TILE_ROWS) if HAS_AMX else (1, linear.PAIR_ROWS)
+    if HAS_TILES:
+        assert linear.tile_rows(layer.tiles) == (first, last)
+    counts = (1, linear.TILE_FROM_ROWS, last, last + 1)
+    x = {n: torch.randn(n, 64).bfloat16() for n in counts}
     for n in counts:
         torch.testing.assert_close(layer(x[n]).double(), linear_float64(x[n], layer.weight, layer.bias),
                                    rtol=2 ** -7, atol=1e-3)
-    assert calls == ([linear.TILE_FROM_ROWS, linear.TILE_ROWS] if HAS_AMX else [])
+    assert calls == ([n for n in counts if first <= n <= last] if HAS_TILES else [])
+    assert calls[-1:] == ([last] if HAS_TILES else [])
     layer.native = False   # the Python path without the kernels never takes them
     calls.clear()
     for n in counts:

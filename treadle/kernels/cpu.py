@@ -16,9 +16,10 @@
   blocks (`quantization="gguf"`, models/gguf_weights.py).
 - `tiles_linear`: a bf16 linear layer on AMX tiles from a few rows to a few dozen (decode at
   larger batch; `linear.TILE_FROM_ROWS`, `linear.TILE_ROWS`), over the weight packed once as
-  tiles (`pack_linear_tiles`), where the CPU has AMX. In fp32 the same calls run an AVX-512
-  kernel over the weight packed as panels of 32 outputs (linear_panels.cpp), from 2 rows to
-  `linear.PANEL_ROWS`.
+  tiles (`pack_linear_tiles`), where the CPU has AMX. Without AMX but with AVX512-BF16 the
+  same calls run bf16 over panels of input pairs (linear_pairs.cpp), from 1 row to
+  `linear.PAIR_ROWS`. In fp32 they run an AVX-512 kernel over the weight packed as panels of
+  32 outputs (linear_panels.cpp), from 2 rows to `linear.PANEL_ROWS`.
 - `bf16x3_linear`: an fp32 linear past `linear.PANEL_ROWS` (prefill) on AMX tiles, each value
   split into three bf16 parts and six of their products summed in fp32: as precise as an fp32
   GEMM (linear_bf16x3.cpp), where the CPU has AMX.

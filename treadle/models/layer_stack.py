@@ -25,10 +25,11 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
         return None
     layers = [model.model.layers[i] for i in model.model.layer_range]
     attn = layers[0].self_attn
+    tiles = attn.qkv_proj.tiles   # a stage's linears all have tiles of one kind, or none
+    first, last = linear.tile_rows(tiles) if tiles is not None else (1, 0)
     stack = torch.classes.treadle.LayerStack(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                              layers[0].input_layernorm.eps, attn.attn.scale,
-                                             linear.SMALL_ROWS, linear.TILE_FROM_ROWS,
-                                             linear.tile_rows(layers[0].input_layernorm.weight.dtype))
+                                             linear.SMALL_ROWS, first, last)
     for layer in layers:
         a = layer.self_attn
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

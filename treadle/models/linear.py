@@ -69,15 +69,25 @@ TILE_ROWS = 1024
 # rows, 1.15 against 1.67 at 48, 2.97 against 3.11 at 128, but 5.95 against 5.55 at 256
 # (docs/benchmarks.md).
 PANEL_ROWS = 128
+# In bf16 on a CPU with AVX512-BF16 but no AMX tiles, the same copy holds panels of bf16 pairs
+# (kernels/csrc/linear_pairs.cpp), from 1 row up to PAIR_ROWS: SmolLM2's linears over 30
+# layers' weights took 5.0 ms against the few-row kernel's 5.3 at 1 row, 5.4 against oneDNN's
+# 7.6 at 8 rows, 8.1 against 12.8 at 32, 30.6 against 35.3 at 128, 116 against 119 at 512,
+# and were level at 768 (Zen 5, docs/benchmarks.md).
+PAIR_ROWS = 512
 # Past PANEL_ROWS an fp32 weight with AMX tiles runs `bf16x3_linear` (kernels/csrc/
 # linear_bf16x3.cpp): each operand split into three bf16 parts, six of their products summed in
 # fp32, as precise as an fp32 GEMM. It has no upper limit of rows, so such a weight needs no
 # oneDNN copy.
 
 
-def tile_rows(dtype: torch.dtype) -> int:
-    """The most rows the tile kernel serves for weights of `dtype`."""
-    return PANEL_ROWS if dtype == torch.float32 else TILE_ROWS
+def tile_rows(tiles: torch.Tensor) -> tuple[int, int]:
+    """The first and the last row count the tile kernel serves over `tiles` (pack_tiles'
+    copy): AVX-512 panels in fp32; in bf16 AMX tiles (a 4-D copy) or, without AMX, panels of
+    pairs (3-D)."""
+    if tiles.dtype == torch.float32:
+        return TILE_FROM_ROWS, PANEL_ROWS
+    return (TILE_FROM_ROWS, TILE_ROWS) if tiles.dim() == 4 else (1, PAIR_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -85,14 +95,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            quantized: QuantizedWeight | None = None,
            tiles: torch.Tensor | None = None, bf16x3: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias where `native`: the weight-only copy up to its `max_rows` where
-    there is one, the tile kernel from TILE_FROM_ROWS to tile_rows() where the weight has
-    tiles, the bf16x3 kernel past that where the weight has its parts, the few-row kernel up to
+    there is one, the tile kernel over the rows tile_rows() gives where the weight has tiles, the bf16x3 kernel past that where the weight has its parts, the few-row kernel up to
     SMALL_ROWS; else the packed GEMM where there is a packed weight, else torch's. The layer
     stack (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
     rows = x.shape[0]
     if native and quantized is not None and rows <= quantized.max_rows:
         return quantized.linear(x, bias)
-    if native and tiles is not None and TILE_FROM_ROWS <= rows <= tile_rows(tiles.dtype):
+    if native and tiles is not None and tile_rows(tiles)[0] <= rows <= tile_rows(tiles)[1]:
         return torch.ops.treadle.tiles_linear(x, tiles, bias)
     if native and bf16x3 is not None and rows > PANEL_ROWS:
         return torch.ops.treadle.bf16x3_linear(x, bf16x3, bias)
@@ -120,7 +129,7 @@ def warm_up_gemms(model: nn.Module, max_rows: int) -> int:
     ran = 0
     for module in by_shape.values():
         # the tile kernel serves its rows: no GEMM for them to warm up
-        first = tile_rows(module.tiles.dtype) + 1 if module.tiles is not None else SMALL_ROWS + 1
+        first = tile_rows(module.tiles)[1] + 1 if module.tiles is not None else SMALL_ROWS + 1
         for rows in sorted({gemm_rows(r) for r in range(first, max_rows + 1)}):
             linear(module.weight.new_zeros(rows, module.in_features), module.weight, module.bias, module.packed)
             ran += 1
@@ -233,8 +242,9 @@ def pack_weights(model: nn.Module, device: torch.device) -> int:
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight as the tile kernel's AMX tiles (bf16) or AVX-512 panels (fp32), or None
-    where the CPU, the process, the dtype or the shape does not allow them."""
+    """The weight as the tile kernel's AMX tiles or, without them, panels of pairs (bf16), or
+    AVX-512 panels (fp32); None where the CPU, the process, the dtype or the shape does not
+    allow them."""
     if not torch.ops.treadle.linear_tiles_ready(weight):
         return None
     return torch.ops.treadle.pack_linear_tiles(weight.detach())

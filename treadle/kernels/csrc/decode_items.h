@@ -105,21 +105,33 @@ class KAhead {
     k_ = static_cast<const char*>(k) + w.kv0 * c_head * elem;
     elem_ = elem;
     lines_per_row_ = std::max<int64_t>(1, w.kv_heads * c_head * elem / 64);
-    lines_ = static_cast<int64_t>(offs_.size()) * lines_per_row_;
-    per_step_ = (lines_ + steps - 1) / std::max<int64_t>(1, steps);
-    next_ = 0;
+    const int64_t lines = static_cast<int64_t>(offs_.size()) * lines_per_row_;
+    per_step_ = (lines + steps - 1) / std::max<int64_t>(1, steps);
+    row_ = line_ = 0;
   }
-  void clear() { lines_ = next_ = 0; }
+  void clear() { offs_.clear(); row_ = line_ = 0; }
 
+  // The next per_step_ lines, walked by row and line. A division per line took about half of
+  // the V pass's samples with the caches in L3 (the kernel 12% faster without; level from
+  // memory, docs/benchmarks.md).
   void step() {
-    for (const int64_t end = std::min(lines_, next_ + per_step_); next_ < end; ++next_)
-      __builtin_prefetch(k_ + offs_[next_ / lines_per_row_] * elem_ + 64 * (next_ % lines_per_row_), 0, 2);
+    const int64_t rows = static_cast<int64_t>(offs_.size());
+    int64_t row = row_, line = line_;
+    for (int64_t n = per_step_; n > 0 && row < rows; --n) {
+      __builtin_prefetch(k_ + offs_[row] * elem_ + 64 * line, 0, 2);
+      if (++line == lines_per_row_) {
+        line = 0;
+        ++row;
+      }
+    }
+    row_ = row;
+    line_ = line;
   }
 
  private:
   std::vector<int64_t> offs_;
   const char* k_ = nullptr;
-  int64_t elem_ = 0, lines_per_row_ = 1, lines_ = 0, per_step_ = 0, next_ = 0;
+  int64_t elem_ = 0, lines_per_row_ = 1, per_step_ = 0, row_ = 0, line_ = 0;  // row_, line_: the next line asked for
 };
 
 // Runs run(item, next item or nullptr) over the step's items on this thread, taking items from

@@ -24,8 +24,8 @@
 namespace {
 
 // Rows up to which the dense few-row kernel serves, and from which and up to which the tile
-// kernel does (models/linear.py's SMALL_ROWS, TILE_FROM_ROWS and TILE_ROWS). A quantized copy
-// carries its own limit.
+// kernel does (models/linear.py's SMALL_ROWS and tile_rows()). A quantized copy carries its
+// own limit.
 struct RowLimits {
   int64_t small_rows, tile_from_rows, tile_rows;
 };
@@ -62,7 +62,7 @@ struct StackLinear {
   c10::optional<at::Tensor> q, scales;
   int64_t ggml_type, quant_rows;
   c10::optional<at::Tensor> packed;      // oneDNN's packed copy, where there is one
-  c10::optional<at::Tensor> tiles;       // AMX tiles (bf16) or AVX-512 panels (fp32), where there are any
+  c10::optional<at::Tensor> tiles;       // AMX tiles or pairs (bf16), or AVX-512 panels (fp32), where there are any
   c10::optional<at::Tensor> bf16x3;      // fp32 in three bf16 parts on AMX tiles, past the panels' rows
 
   // The same choice as models/linear.py's linear(), so the same bits.

@@ -102,10 +102,8 @@ inline void store_row_pair(const float* c0, const float* c1, const uint16_t* bia
 
 namespace treadle {
 
-// In fp32 the three entry points below hand over to linear_panels.cpp's AVX-512 kernel, so that
-// a weight's blocked copy and its routing (models/linear.py, the layer stack) are one for both.
-bool linear_tiles_ready(const at::Tensor& w) {
-  if (w.scalar_type() == at::kFloat) return linear_panels_ready(w);
+// Whether this process runs bf16 weights of w's shape on AMX tiles.
+static bool amx_fits(const at::Tensor& w) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
   return w.scalar_type() == at::kBFloat16 && shape_fits(w) && treadle::amx::tiles_permitted();
 #else
@@ -114,8 +112,18 @@ bool linear_tiles_ready(const at::Tensor& w) {
 #endif
 }
 
+// The three entry points below hand fp32 over to linear_panels.cpp's AVX-512 kernel, and bf16
+// without AMX tiles to linear_pairs.cpp's AVX512-BF16 kernel, so that a weight's blocked copy
+// and its routing (models/linear.py, the layer stack) are one for all. The packed copy's rank
+// says which kernel it is for: 4 for tiles, 3 for panels and pairs.
+bool linear_tiles_ready(const at::Tensor& w) {
+  if (w.scalar_type() == at::kFloat) return linear_panels_ready(w);
+  return amx_fits(w) || linear_pairs_ready(w);
+}
+
 at::Tensor pack_linear_tiles(const at::Tensor& w) {
   if (w.scalar_type() == at::kFloat) return pack_linear_panels(w);
+  if (!amx_fits(w) && linear_pairs_ready(w)) return pack_linear_pairs(w);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && shape_fits(w),
               "pack_linear_tiles: a bf16 [N, K] weight with N a multiple of 32 and K of 32");
   const at::Tensor wc = w.contiguous();
@@ -138,6 +146,7 @@ at::Tensor pack_linear_tiles(const at::Tensor& w) {
 
 at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   if (x.scalar_type() == at::kFloat) return panels_linear(x, packed, bias);
+  if (packed.dim() == 3) return pairs_linear(x, packed, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bf16 [M, K], rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
               packed.size(0) % 2 == 0 && packed.size(2) == kTileOut && packed.size(3) == kTileIn,

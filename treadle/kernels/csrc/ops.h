@@ -35,6 +35,12 @@ bool linear_panels_ready(const at::Tensor& w);
 at::Tensor pack_linear_panels(const at::Tensor& w);
 at::Tensor panels_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
+// linear_pairs.cpp: the same in bf16 with AVX512-BF16 pairs, where there are no AMX tiles, over
+// the weight as panels of 32 outputs; the three tiles entry points hand bf16 over to it there.
+bool linear_pairs_ready(const at::Tensor& w);
+at::Tensor pack_linear_pairs(const at::Tensor& w);
+at::Tensor pairs_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+
 // linear_bf16x3.cpp: the same in fp32 on AMX tiles, each operand split into three bf16 parts,
 // over the weight as pack_linear_bf16x3 packs it (prefill sizes).
 bool linear_bf16x3_ready(const at::Tensor& w);

@@ -70,10 +70,10 @@ TILE_ROWS = 1024
 # (docs/benchmarks.md).
 PANEL_ROWS = 128
 # In bf16 on a CPU with AVX512-BF16 but no AMX tiles, the same copy holds panels of bf16 pairs
-# (kernels/csrc/linear_pairs.cpp), from 1 row up to PAIR_ROWS: SmolLM2's linears over 30
-# layers' weights took 5.0 ms against the few-row kernel's 5.3 at 1 row, 5.4 against oneDNN's
-# 7.6 at 8 rows, 8.1 against 12.8 at 32, 30.6 against 35.3 at 128, 116 against 119 at 512,
-# and were level at 768 (Zen 5, docs/benchmarks.md).
+# (kernels/csrc/linear_pairs.cpp), from 1 row up to PAIR_ROWS: a SmolLM2 layer's four linears,
+# weights from memory, took 134 µs against the few-row kernel's 148 at 1 row, 147 against
+# oneDNN's 242 at 8, 298 against 443 at 32, 980 against 1,156 at 128 and 3,813 against 3,897
+# at 512; level with oneDNN from 768 to 1,024 rows (Zen 5, docs/benchmarks.md).
 PAIR_ROWS = 512
 # Past PANEL_ROWS an fp32 weight with AMX tiles runs `bf16x3_linear` (kernels/csrc/
 # linear_bf16x3.cpp): each operand split into three bf16 parts, six of their products summed in

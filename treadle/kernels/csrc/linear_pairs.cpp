@@ -1,6 +1,5 @@
 // bf16 linear layers at decode sizes on CPUs with AVX512-BF16 but no AMX tiles: y[M, N] =
-// x[M, K] @ w[N, K]^T + bias, from a couple of rows to a few hundred (models/linear.py's
-// PAIR_ROWS).
+// x[M, K] @ w[N, K]^T + bias, from one row to a few hundred (models/linear.py's PAIR_ROWS).
 //
 // There oneDNN's bf16 GEMM ran SmolLM2's linears well below the CPU's bf16 rate, and at a few
 // rows it read the weights at a fraction of the memory's speed (docs/benchmarks.md, "Lever:
@@ -9,15 +8,15 @@
 //
 // The weight is packed once (pack_linear_pairs) as panels of 32 outputs: panel p holds, for
 // each pair of inputs (2i, 2i + 1), the 32 outputs' pairs side by side, so one step of i reads
-// two vectors. As in the fp32 panels (linear_panels.cpp), each thread takes a range of panels,
-// the rows go by each panel in blocks of at most 12 with their 24 accumulators in registers,
-// and the next panel is requested into L2 meanwhile. Sums run over the input pairs in order,
+// two vectors. As in the fp32 panels (linear_panels.cpp, panel_blocks.h), each thread takes a
+// range of panels, the rows go by each panel in blocks of at most 12 with their 24
+// accumulators in registers, and the next panel is requested into L2 meanwhile. Sums run over the input pairs in order,
 // and the bias is added before the one rounding to bf16, as a GEMM does.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "ops.h"
+#include "panel_blocks.h"
 #include "vec.h"
 
 #include <cstring>
@@ -113,21 +112,11 @@ at::Tensor pairs_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t x_stride = x.stride(0), blocks = (m + kMostRows - 1) / kMostRows, pairs = k / 2;
-  const int64_t panel_elems = k * kPanel, panel_lines = panel_elems * 2 / 64;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const char* next = p + 1 < end ? reinterpret_cast<const char*>(wp + (p + 1) * panel_elems) : nullptr;
-      // Blocks of near-equal size, each asking for its share of the next panel.
-      for (int64_t b = 0, row = 0; b < blocks; ++b) {
-        const int64_t rows = (m - row) / (blocks - b);
-        const int64_t first = panel_lines * b / blocks, last = panel_lines * (b + 1) / blocks;
-        kBlocks[rows](xp + row * x_stride, x_stride, wp + p * panel_elems, pairs, yp + row * n + p * kPanel, n,
-                      bias_ptr ? bias_ptr + p * kPanel : nullptr, next ? next + 64 * first : nullptr,
-                      next ? last - first : 0);
-        row += rows;
-      }
-    }
+  const int64_t x_stride = x.stride(0), pairs = k / 2, panel_elems = k * kPanel;
+  treadle::panels::for_each_block(m, kMostRows, panels, wp, panel_elems * 2,
+                                  [&](int64_t p, int64_t row, int64_t rows, const char* ahead, int64_t lines) {
+    kBlocks[rows](xp + row * x_stride, x_stride, wp + p * panel_elems, pairs, yp + row * n + p * kPanel, n,
+                  bias_ptr ? bias_ptr + p * kPanel : nullptr, ahead, lines);
   });
 #else
   TORCH_CHECK(false, "pairs_linear: built without AVX512-BF16");

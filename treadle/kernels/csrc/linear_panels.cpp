@@ -10,12 +10,13 @@
 // each input k, w[32p .. 32p + 31][k] side by side, so one step of k reads two vectors. Each
 // thread takes a range of panels; for each panel, the rows go by in blocks of at most 12, each
 // block's x in L1 and the panel in L2 after the first block, while the next panel is requested
-// from memory (without that, a decode step of 16 sequences was 30% longer). Sums run over k
-// in order, one fused multiply-add per term, and the bias is added last, as a GEMM does.
+// from memory (panel_blocks.h; without that, a decode step of 16 sequences was 30% longer).
+// Sums run over k in order, one fused multiply-add per term, and the bias is added last, as a
+// GEMM does.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include "ops.h"
+#include "panel_blocks.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -99,22 +100,11 @@ at::Tensor panels_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), blocks = (m + kMostRows - 1) / kMostRows;
-  const int64_t panel_lines = k * kPanel * static_cast<int64_t>(sizeof(float)) / 64;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const char* next = p + 1 < end ? reinterpret_cast<const char*>(wp + (p + 1) * k * kPanel) : nullptr;
-      // Blocks of near-equal size (13 rows: 7 and 6, not 12 and 1), each asking for its share
-      // of the next panel.
-      for (int64_t b = 0, row = 0; b < blocks; ++b) {
-        const int64_t rows = (m - row) / (blocks - b);
-        const int64_t first = panel_lines * b / blocks, last = panel_lines * (b + 1) / blocks;
-        kBlocks[rows](xp + row * x_stride, x_stride, wp + p * k * kPanel, k, yp + row * n + p * kPanel, n,
-                      bias_ptr ? bias_ptr + p * kPanel : nullptr, next ? next + 64 * first : nullptr,
-                      next ? last - first : 0);
-        row += rows;
-      }
-    }
+  const int64_t x_stride = x.stride(0);
+  treadle::panels::for_each_block(m, kMostRows, panels, wp, k * kPanel * static_cast<int64_t>(sizeof(float)),
+                                  [&](int64_t p, int64_t row, int64_t rows, const char* ahead, int64_t lines) {
+    kBlocks[rows](xp + row * x_stride, x_stride, wp + p * k * kPanel, k, yp + row * n + p * kPanel, n,
+                  bias_ptr ? bias_ptr + p * kPanel : nullptr, ahead, lines);
   });
 #else
   TORCH_CHECK(false, "panels_linear: built without AVX-512");

@@ -59,8 +59,8 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     last = step_times[-ns.steps:]
     print(f"{ns.dtype} batch {ns.batch} at {ns.context} tokens, TILE_ROWS {linear.TILE_ROWS}, "
-          f"PAIR_ROWS {linear.PAIR_ROWS}, PANEL_ROWS {linear.PANEL_ROWS}: decode step median {1000 * statistics.median(last):.1f} ms "
-          f"over {len(last)} steps")
+          f"PAIR_ROWS {linear.PAIR_ROWS}, PANEL_ROWS {linear.PANEL_ROWS}: "
+          f"decode step median {1000 * statistics.median(last):.1f} ms over {len(last)} steps")
     llm.shutdown()
 
 

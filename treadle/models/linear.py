@@ -95,14 +95,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            quantized: QuantizedWeight | None = None,
            tiles: torch.Tensor | None = None, bf16x3: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias where `native`: the weight-only copy up to its `max_rows` where
-    there is one, the tile kernel over the rows tile_rows() gives where the weight has tiles, the bf16x3 kernel past that where the weight has its parts, the few-row kernel up to
+    there is one, the tile kernel over the rows tile_rows() gives where the weight has tiles,
+    the bf16x3 kernel past that where the weight has its parts, the few-row kernel up to
     SMALL_ROWS; else the packed GEMM where there is a packed weight, else torch's. The layer
     stack (kernels/csrc/layer_stack.cpp) chooses by the same rules."""
     rows = x.shape[0]
     if native and quantized is not None and rows <= quantized.max_rows:
         return quantized.linear(x, bias)
-    if native and tiles is not None and tile_rows(tiles)[0] <= rows <= tile_rows(tiles)[1]:
-        return torch.ops.treadle.tiles_linear(x, tiles, bias)
+    if native and tiles is not None:
+        first, last = tile_rows(tiles)
+        if first <= rows <= last:
+            return torch.ops.treadle.tiles_linear(x, tiles, bias)
     if native and bf16x3 is not None and rows > PANEL_ROWS:
         return torch.ops.treadle.bf16x3_linear(x, bf16x3, bias)
     if native and rows <= SMALL_ROWS:

@@ -10,8 +10,9 @@
 // each pair of inputs (2i, 2i + 1), the 32 outputs' pairs side by side, so one step of i reads
 // two vectors. As in the fp32 panels (linear_panels.cpp, panel_blocks.h), each thread takes a
 // range of panels, the rows go by each panel in blocks of at most 12 with their 24
-// accumulators in registers, and the next panel is requested into L2 meanwhile. Sums run over the input pairs in order,
-// and the bias is added before the one rounding to bf16, as a GEMM does.
+// accumulators in registers, and the next panel is requested into L2 meanwhile. Sums run over
+// the input pairs in order, and the bias is added before the one rounding to bf16, as a GEMM
+// does.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -94,7 +95,8 @@ at::Tensor pack_linear_pairs(const at::Tensor& w) {
               "pack_linear_pairs: a bf16 [N, K] weight with N a multiple of 32 and K even");
   const int64_t n = w.size(0), k = w.size(1);
   // [panel][output][pair][2] -> [panel][pair][output][2]
-  return w.reshape({n / kPanel, kPanel, k / 2, 2}).transpose(1, 2).contiguous().reshape({n / kPanel, k / 2, 2 * kPanel});
+  return w.reshape({n / kPanel, kPanel, k / 2, 2}).transpose(1, 2).contiguous().reshape(
+      {n / kPanel, k / 2, 2 * kPanel});
 }
 
 at::Tensor pairs_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {

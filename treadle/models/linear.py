@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.kernels.cpu import cpu_has
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,10 +67,12 @@ INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0
 TILE_FROM_ROWS = 2
 TILE_ROWS = 1024
 # In fp32 the same copy holds AVX-512 panels (kernels/csrc/linear_panels.cpp), up to this many
-# rows: a SmolLM2 layer's four linears took 0.28-0.34 ms against oneDNN's 0.55-0.61 at 2-8
-# rows, 1.15 against 1.67 at 48, 2.97 against 3.11 at 128, but 5.95 against 5.55 at 256
-# (docs/benchmarks.md).
-PANEL_ROWS = 128
+# rows. On the Xeon with AMX a SmolLM2 layer's four linears took 0.28-0.34 ms against oneDNN's
+# 0.55-0.61 at 2-8 rows, 1.15 against 1.67 at 48, 2.97 against 3.11 at 128, but 5.95 against
+# 5.55 at 256, and past 128 rows the bf16x3 kernel (below) takes them there. Without AMX the
+# panels held their lead further: 1.10x oneDNN's speed at 128 rows, 1.04-1.07x at 192-320,
+# 1.03x at 384, level from 448 (weights from memory, Zen 5; docs/benchmarks.md).
+PANEL_ROWS = 128 if cpu_has("amx_tile") else 384
 # In bf16 on a CPU with AVX512-BF16 but no AMX tiles, the same copy holds panels of bf16 pairs
 # (kernels/csrc/linear_pairs.cpp), from 1 row up to PAIR_ROWS: a SmolLM2 layer's four linears,
 # weights from memory, took 134 µs against the few-row kernel's 148 at 1 row, 147 against

@@ -4,6 +4,7 @@ is process-wide and the thresholds glibc moves by itself depend on what the proc
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,3 +47,61 @@ def test_malloc_tuned_by_the_user_is_left_alone():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "MALLOC_TRIM_THRESHOLD_": "0"})
     assert done.stdout.split()[-1] == "False", done.stderr
+
+
+# A step of 2,048 tokens (eight prompts of 256, fp32) on the thread that steps the model, timed
+# by its page faults the second time: `AsyncLLM`'s engine thread, or the worker thread of async
+# scheduling under `LLM`.
+STEP_PROBE = """
+import asyncio, random, resource, sys
+from treadle import LLM, SamplingParams
+from treadle.engine.async_llm import AsyncLLM
+from treadle.models.loader import prepare_model
+
+def prompts(seed):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(256)]} for _ in range(8)]
+
+args = dict(dtype="float32", enable_prefix_caching=False, max_model_len=512)
+params = SamplingParams(temperature=0.0, max_tokens=1)
+if sys.argv[1] == "AsyncLLM":
+    async def main():
+        llm = AsyncLLM(prepare_model(None), **args)
+        async def one(rid, p):
+            async for _ in llm.generate(p, params, request_id=rid):
+                pass
+        faults = []
+        for seed in range(2):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            await asyncio.gather(*(one(f"{seed}-{i}", p) for i, p in enumerate(prompts(seed))))
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        llm.shutdown()
+        return faults[-1]
+    print(asyncio.run(main()))
+else:
+    llm = LLM(prepare_model(None), async_scheduling=True, **args)
+    for seed in range(2):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        llm.generate(prompts(seed), params, use_tqdm=False)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _step_faults(engine: str, extra_env: dict[str, str]) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", STEP_PROBE, engine], capture_output=True, text=True, timeout=300,
+                          env={**env, "OMP_NUM_THREADS": "1", **extra_env})
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("engine", ["AsyncLLM", "async_scheduling"])
+def test_a_step_on_another_thread_takes_no_page_faults(engine):
+    """The engine thread and the async worker thread allocate from the main arena. With the
+    thresholds alone (set through GLIBC_TUNABLES, which keep_freed_memory then leaves alone) the
+    engine thread has an arena of its own, whose heaps are unmapped and faulted in again."""
+    assert _step_faults(engine, {}) < 1_000
+    if engine == "AsyncLLM":
+        thresholds = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912"
+        assert _step_faults(engine, {"GLIBC_TUNABLES": thresholds}) > 10_000

@@ -29,6 +29,7 @@ from treadle.models.loader import load_tokenizer
 from treadle.outputs import RequestOutput
 from treadle.request import RequestStatus
 from treadle.sampling_params import SamplingParams
+from treadle.worker.malloc import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class AsyncLLM:
         self._pause_mode: PauseMode | None = None
         self._pause_lock: asyncio.Lock | None = None
         self._dead: BaseException | None = None
+        if self.config.device.startswith("cpu"):
+            keep_freed_memory()   # before the engine thread's first allocation picks its arena
         self._core = EngineCoreThread(lambda: EngineCore(self.config), self._outputs_from_thread,
                                       self._error_from_thread)
         self.core = self._core.core

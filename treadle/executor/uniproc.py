@@ -16,11 +16,14 @@ from typing import Any, Callable
 
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.malloc import keep_freed_memory
 from treadle.worker.worker import Worker
 
 
 class UniProcExecutor:
     def __init__(self, config: TreadleConfig) -> None:
+        if config.device.startswith("cpu"):
+            keep_freed_memory()   # before the worker thread's first allocation picks its arena
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="treadle-worker")
                         if config.scheduler.async_scheduling else None)
         self.worker = self._on_worker_thread(_build_worker, config)

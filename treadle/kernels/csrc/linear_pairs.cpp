@@ -47,8 +47,9 @@ __attribute__((noinline)) void block(const uint16_t* x, int64_t x_stride, const 
                                      int64_t ahead_lines) {
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t i = 0, asked = 0, due = 0; i < pairs; ++i) {
-    for (due += ahead_lines; due >= pairs; due -= pairs, ++asked) _mm_prefetch(ahead + 64 * asked, _MM_HINT_T1);
+  treadle::panels::AheadLines next(ahead, ahead_lines, pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    next.step();
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + i * 2 * kPanel);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + i * 2 * kPanel + kPanel);
     for (int m = 0; m < MR; ++m) {

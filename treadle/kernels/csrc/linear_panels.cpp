@@ -38,8 +38,9 @@ __attribute__((noinline)) void block(const float* x, int64_t x_stride, const flo
                                      int64_t y_stride, const float* bias, const char* ahead, int64_t ahead_lines) {
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t i = 0, asked = 0, due = 0; i < k; ++i) {
-    for (due += ahead_lines; due >= k; due -= k, ++asked) _mm_prefetch(ahead + 64 * asked, _MM_HINT_T1);
+  treadle::panels::AheadLines next(ahead, ahead_lines, k);
+  for (int64_t i = 0; i < k; ++i) {
+    next.step();
     const __m512 w0 = _mm512_loadu_ps(panel + i * kPanel), w1 = _mm512_loadu_ps(panel + i * kPanel + 16);
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * x_stride + i]);

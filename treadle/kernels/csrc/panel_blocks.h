@@ -11,6 +11,20 @@
 
 namespace treadle::panels {
 
+// Asks for `lines` lines from `ahead` into L2, spread evenly over a block's `steps` calls of
+// step() (its steps along the inputs): the block's share of the next panel.
+class AheadLines {
+ public:
+  AheadLines(const char* ahead, int64_t lines, int64_t steps) : ahead_(ahead), lines_(lines), steps_(steps) {}
+  void step() {
+    for (due_ += lines_; due_ >= steps_; due_ -= steps_, ++asked_) __builtin_prefetch(ahead_ + 64 * asked_, 0, 2);
+  }
+
+ private:
+  const char* ahead_;
+  int64_t lines_, steps_, asked_ = 0, due_ = 0;  // asked_: lines asked for so far
+};
+
 // Calls block(panel, first row, rows, ahead, ahead_lines) for every panel and block of rows:
 // `ahead_lines` lines from `ahead` (nullptr for a thread's last panel) are this block's share
 // of the next panel. Panels are `panel_bytes` apart from `w`.

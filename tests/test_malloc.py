@@ -109,7 +109,7 @@ def _wave_faults(engine: str, extra_env: dict[str, str]) -> list[int]:
     done = subprocess.run([sys.executable, "-c", STEP_PROBE, engine], capture_output=True, text=True, timeout=300,
                           env={**env, "OMP_NUM_THREADS": "1", **extra_env})
     assert done.returncode == 0, done.stderr
-    return [int(n) for n in done.stdout.split("\n")[-2].split()]
+    return [int(n) for n in done.stdout.splitlines()[-1].split()]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")

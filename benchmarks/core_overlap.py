@@ -13,9 +13,9 @@ core, with one thread:
 
     .venv/bin/python benchmarks/core_overlap.py [--batch 64] [--context 640] [--seconds 8]
 
-SmolLM2-135M's shape in fp32: 30 layers; 9 query heads on 3 KV heads of 64 in 128-token
-blocks in a random order, as decode_attention.py; the four linears on AVX-512 panels, as
-linears.py, without the LM head. Time nothing else while it runs: the machine has two cores.
+SmolLM2-135M's shape in fp32: 30 layers; attention as decode_attention.py sets it up (9
+query heads on 3 KV heads of 64, 128-token blocks in a random order); the four linears on
+AVX-512 panels, as linears.py, without the LM head. Time nothing else while it runs: the machine has two cores.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import time
 
 import torch
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 128
+from decode_attention import attention_pass, kv_bytes   # beside this file
+
+LAYERS = 30
 LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # qkv, o, gate_up, down
 
 
@@ -44,19 +46,11 @@ def one_part(part: str, rows: int, context: int, seconds: float) -> float:
     keep_freed_memory()
     torch.manual_seed(0)
     if part == "attention":
-        per_seq = -(-context // BLOCK)
-        shape = (rows * per_seq + 1, BLOCK, KV_HEADS, HEAD_DIM)
-        caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
-        table = (torch.randperm(rows * per_seq) + 1).view(rows, per_seq).to(torch.int32)
-        lens = torch.full((rows,), context, dtype=torch.int32)
-        q = torch.randn(rows, HEADS, HEAD_DIM)
-        out = torch.empty_like(q)
-
-        def one_pass() -> None:
-            for k, v in caches:
-                torch.ops.treadle.paged_decode_attention(out, q, k, v, table, lens, HEAD_DIM ** -0.5)
+        one_pass, _ = attention_pass(rows, context, torch.float32, LAYERS)
     else:
         weights = [[linear.pack_tiles(torch.randn(o, i) / i ** 0.5) for o, i in LINEARS] for _ in range(LAYERS)]
+        if weights[0][0] is None:
+            raise SystemExit("this CPU has no fp32 panels (AVX-512)")
         inputs = [torch.randn(rows, i) for _, i in LINEARS]
 
         def one_pass() -> None:
@@ -113,7 +107,7 @@ def main() -> None:
     (lin_1,) = run([("linears", half, 1, 1)], ctx, s)
     attn_beside, lin_beside = run([("attention", half, 1, 0), ("linears", half, 1, 1)], ctx, s)
     attn_pair = max(run([("attention", half, 1, 0), ("attention", half, 1, 1)], ctx, s))
-    kv = LAYERS * b * ctx * KV_HEADS * HEAD_DIM * 2 * 4
+    kv = kv_bytes(b, ctx, LAYERS, 4)   # fp32
     print(f"fp32, {b} sequences at {ctx} tokens, {LAYERS} layers, ms per pass (K/V GB/s)\n")
     print("| part | ms |\n|---|---|")
     print(f"| attention, {b} rows, 2 threads | {attn:.1f} ({kv / attn / 1e6:.1f}) |")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -24,6 +25,32 @@ from treadle.kernels import hugepages
 from treadle.kernels.cpu import cpu_kernels_available
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
+
+
+def kv_bytes(batch: int, context: int, layers: int, element_size: int) -> int:
+    """The K and V a decode step of `batch` sequences at `context` tokens reads."""
+    return layers * batch * context * KV_HEADS * HEAD_DIM * 2 * element_size
+
+
+def attention_pass(batch: int, context: int, dtype: torch.dtype, layers: int) -> tuple[Callable[[], None], int]:
+    """One pass of decode attention over `layers` layers' caches, as a decode step of `batch`
+    sequences at `context` tokens reads them, and the K/V bytes it reads."""
+    per_seq = -(-context // BLOCK)
+    shape = (2, batch * per_seq + 1, BLOCK, KV_HEADS, HEAD_DIM)
+    if dtype == torch.bfloat16:
+        caches = [c.normal_() for c in hugepages.carve([(shape, dtype)] * layers)]
+    else:
+        caches = [torch.randn(shape, dtype=dtype) for _ in range(layers)]
+    table = (torch.randperm(batch * per_seq) + 1).view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    out = torch.empty_like(q)
+
+    def one_pass() -> None:
+        for cache in caches:
+            torch.ops.treadle.paged_decode_attention(out, q, cache[0], cache[1], table, lens, HEAD_DIM ** -0.5)
+
+    return one_pass, kv_bytes(batch, context, layers, q.element_size())
 
 
 def main() -> None:
@@ -37,21 +64,7 @@ def main() -> None:
     if not cpu_kernels_available(torch.device("cpu")):
         raise SystemExit("the CPU kernels are not built here (python -m treadle.kernels)")
     torch.manual_seed(0)
-    dtype = getattr(torch, ns.dtype)
-    per_seq = -(-ns.context // BLOCK)
-    shape = (2, ns.batch * per_seq + 1, BLOCK, KV_HEADS, HEAD_DIM)
-    if dtype == torch.bfloat16:
-        caches = [c.normal_() for c in hugepages.carve([(shape, dtype)] * ns.layers)]
-    else:
-        caches = [torch.randn(shape, dtype=dtype) for _ in range(ns.layers)]
-    table = (torch.randperm(ns.batch * per_seq) + 1).view(ns.batch, per_seq).to(torch.int32)
-    lens = torch.full((ns.batch,), ns.context, dtype=torch.int32)
-    q = torch.randn(ns.batch, HEADS, HEAD_DIM).to(dtype)
-    out = torch.empty_like(q)
-
-    def one_pass() -> None:
-        for cache in caches:
-            torch.ops.treadle.paged_decode_attention(out, q, cache[0], cache[1], table, lens, HEAD_DIM ** -0.5)
+    one_pass, read = attention_pass(ns.batch, ns.context, getattr(torch, ns.dtype), ns.layers)
 
     for _ in range(3):
         one_pass()
@@ -61,7 +74,6 @@ def main() -> None:
         one_pass()
         times.append(time.perf_counter() - start)
     ms = 1000 * statistics.median(times)
-    read = ns.layers * ns.batch * ns.context * KV_HEADS * HEAD_DIM * 2 * q.element_size()
     print(f"{ns.dtype} batch {ns.batch} at {ns.context} tokens, {ns.layers} layers: {ms:.2f} ms, "
           f"{read / 1e6:.0f} MB of K/V at {read / ms / 1e6:.1f} GB/s")
 

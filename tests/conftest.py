@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,16 @@ from treadle.models.loader import default_model_path
 settings.register_profile("ci", max_examples=500, deadline=None)
 settings.register_profile("long", max_examples=10_000, deadline=None)
 settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _no_grammar_compile_outlives_its_test():
+    """A compile a test abandoned (its request aborted or timed out) runs on, as it cannot be
+    stopped: wait for it, so that its core and memory do not reach the next test's figures."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("treadle-grammar-") and not thread.daemon:
+            thread.join(timeout=120)
 
 
 # The only skips a run may have, by reason. Any other skip fails the run: a test that cannot

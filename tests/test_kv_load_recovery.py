@@ -5,12 +5,13 @@ published block, and the ledger checks every delivered token, sync and async ali
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.test_scheduler import BS, make_request, make_scheduler
-from tests.test_token_ledger import AsyncRunner, run_random_events
+from tests.test_token_ledger import AsyncRunner, RequestIds, random_drafts, run_random_events
 from treadle.core.scheduler import Scheduler
 from treadle.kv_transfer import KVConnectorBase
 from treadle.request import Request, RequestStatus
@@ -19,12 +20,29 @@ from treadle.request import Request, RequestStatus
 class FakeStore(KVConnectorBase):
     """The scheduler side of a connector whose store holds the blocks of `stored` prompts."""
 
-    def __init__(self, load_async: bool = False, delay_free: bool = False) -> None:
+    def __init__(self, load_async: bool = False, delay_free: bool = False,
+                 undecided: Callable[[], bool] | None = None) -> None:
         # No engine config: only the scheduler side is used.
         self.stored: set[bytes] = set()
         self.asked: list[str] = []
         self.load_async = load_async
         self.delay_free = delay_free   # finished requests' blocks are sent after the fact
+        # When it says True, the store cannot tell yet ("ask again later": None).
+        self.undecided = undecided
+        self._weight_version: object = 0
+
+    @property
+    def weight_version(self) -> object:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: object) -> None:
+        # Stored blocks are named by the weights that computed them: none matches new weights.
+        self._weight_version = version
+        self.stored.clear()
+
+    def weights_changed(self, weights_identity: str) -> None:
+        self.weight_version = weights_identity
 
     def request_finished(self, request: Request, block_ids: list[int]):
         return self.delay_free, {"blocks": block_ids} if self.delay_free else None
@@ -34,6 +52,8 @@ class FakeStore(KVConnectorBase):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         self.asked.append(request.request_id)
+        if self.undecided is not None and self.undecided():
+            return None, False
         first, last = num_computed_tokens // BS, (request.num_tokens - 1) // BS
         num = 0
         for block_hash in request.block_hashes[first:last]:
@@ -44,9 +64,10 @@ class FakeStore(KVConnectorBase):
 
 
 def connected(policy: str = "recompute", load_async: bool = False, delay_free: bool = False,
+              undecided: Callable[[], bool] | None = None, scheduling: str = "fcfs",
               **kw) -> tuple[Scheduler, FakeStore]:
-    store = FakeStore(load_async, delay_free)
-    sched = make_scheduler(**kw)
+    store = FakeStore(load_async, delay_free, undecided)
+    sched = make_scheduler(policy=scheduling, **kw)
     sched.connector, sched.kv_load_failure_policy = store, policy
     return sched, store
 
@@ -66,8 +87,8 @@ def test_a_failed_load_cuts_back_only_its_request_to_the_first_bad_block(depth):
     a = add_stored(runner, store, "a", 21, first_token=100)   # blocks 0-4 stored
     b = add_stored(runner, store, "b", 13, first_token=500)   # blocks 0-2 stored
     so = runner.schedule()
-    assert so.kv_loads == {"a": (0, so.scheduled_new_reqs[0].block_ids[:5], 0),
-                           "b": (0, so.scheduled_new_reqs[1].block_ids[:3], 0)}
+    assert so.kv_loads == {"a": (0, so.scheduled_new_reqs[0].block_ids[:5], a.tenancy),
+                           "b": (0, so.scheduled_new_reqs[1].block_ids[:3], b.tenancy)}
     assert so.num_scheduled_tokens == {"a": 1, "b": 1}        # only the last token computes
     if depth == 2:
         runner.schedule()                                      # decodes on top of the failed step
@@ -222,29 +243,39 @@ def test_a_finished_requests_blocks_stay_held_until_they_are_sent(depth, abort):
 
 
 # -- random interleavings of loads, failures, steps, aborts and preemptions ------------------------
+# Reused ids, resets, pauses (keep, with and without clear_cache) and weight updates too (see
+# run_random_events); the store sometimes cannot tell yet (`undecided`: "ask again later").
+# The same with the real SharedStorageConnector: tests/test_kv_interleavings.py.
 @settings(deadline=None)
-@given(num_blocks=st.integers(10, 24), depth=st.sampled_from([1, 2]),
+@given(num_blocks=st.integers(10, 24), depth=st.sampled_from([1, 2, 3]),
        budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["recompute", "fail"]),
-       load_async=st.booleans(), delay_free=st.booleans(), seed=st.integers(0, 2**32 - 1),
+       sched_policy=st.sampled_from(["fcfs", "priority"]), load_async=st.booleans(),
+       delay_free=st.booleans(), drafts=st.booleans(),
+       undecided_rate=st.sampled_from([0.0, 0.0, 0.3]), seed=st.integers(0, 2**32 - 1),
        num_events=st.integers(10, 120))
 def test_kv_loads_under_random_interleavings(num_blocks: int, depth: int, budget: int,
-                                             policy: str, load_async: bool, delay_free: bool,
-                                             seed: int, num_events: int):
+                                             policy: str, sched_policy: str, load_async: bool,
+                                             delay_free: bool, drafts: bool,
+                                             undecided_rate: float, seed: int, num_events: int):
     rng = random.Random(seed)
-    sched, store = connected(policy, load_async, delay_free, num_blocks=num_blocks,
-                             budget=budget)
+    sched, store = connected(policy, load_async, delay_free,
+                             undecided=lambda: rng.random() < undecided_rate,
+                             num_blocks=num_blocks, budget=budget, scheduling=sched_policy)
     fail_rate = rng.choice([0.0, 0.2, 0.5])
-    runner = AsyncRunner(sched, load_fails=lambda rid, i: rng.random() < fail_rate,
+    runner = AsyncRunner(sched, random_drafts(random.Random(seed + 1)) if drafts else None,
+                         load_fails=lambda rid, i: rng.random() < fail_rate,
                          load_steps=rng.randint(1, 4))
+    ids = RequestIds(runner, rng)
 
     def add() -> None:
         max_tokens = rng.randint(1, 8)
         prompt_len = min(rng.randint(1, 30), (num_blocks - 1) * BS - max_tokens)
-        request = make_request(f"r{len(runner.requests)}", prompt_len,
-                               first_token=rng.choice((100, 300, 500)), max_tokens=max_tokens)
+        request = make_request(ids.next(), prompt_len, first_token=rng.choice((100, 300, 500)),
+                               max_tokens=max_tokens, priority=rng.randint(0, 5),
+                               arrival=float(len(runner.requests)))
         if rng.random() < 0.7:
             store.store(request)
-        runner.add(request)
+        ids.add(request)
 
     for _ in range(rng.randint(1, 6)):
         add()

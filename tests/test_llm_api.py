@@ -169,14 +169,33 @@ def test_invalid_inputs_are_rejected_without_leaking(llm):
 
 
 def test_prompt_too_big_for_the_kv_cache_is_rejected(smollm2_path):
-    small = LLM(smollm2_path, num_kv_blocks=4, block_size=16, max_model_len=2048)
-    # The cache holds 48 tokens, so max_model_len is capped to it.
+    small = LLM(smollm2_path, num_kv_blocks=4, block_size=16)
+    # The cache holds 48 tokens; max_model_len, not set, is lowered to that.
     assert small.engine.config.model.max_model_len == 48
     with pytest.raises(ValueError, match="max_model_len"):
         small.generate({"prompt_token_ids": [5] * 60}, use_tqdm=False)
-    out = small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=100, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0]
+    with pytest.raises(ValueError, match=r"max_tokens must be in \[1, 8\] for this prompt, got 100"):
+        small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=100), use_tqdm=False)
+    out = small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]   # exactly the room left
     assert out.finish_reason == "length" and len(out.token_ids) == 8
+    no_leaks(small)
+    # Set by the user, it is refused instead, naming both numbers (as vLLM does).
+    with pytest.raises(ValueError, match=r"max_model_len \(2048\) is more than the KV cache can "
+                                         r"hold \(48 tokens"):
+        LLM(smollm2_path, num_kv_blocks=4, block_size=16, max_model_len=2048)
+
+
+def test_max_tokens_past_the_context_names_the_numbers(llm):
+    context = llm.engine.config.model.max_model_len
+    for max_tokens in (context - 9, 10**12, 2**63, 2**80):
+        with pytest.raises(ValueError, match=(
+                rf"maximum context length is {context} tokens. However, you requested "
+                rf"{10 + max_tokens} tokens \(10 in the messages, {max_tokens} in the completion\)"
+                rf".*max_tokens must be in \[1, {context - 10}\]")):
+            llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=max_tokens),
+                         use_tqdm=False)
+    no_leaks(llm)
 
 
 def test_reset_prefix_cache(llm):

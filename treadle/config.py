@@ -27,6 +27,8 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
+    # Set by the user: refused, not lowered, when the KV cache cannot hold it (EngineCore).
+    max_model_len_is_explicit: bool = False
     # "int8" (models/linear.py) or "gguf" (models/gguf_weights.py): weight-only, CPU, float32
     quantization: str | None = None
     gguf_file: str | None = None   # the GGUF file `model` was converted from, if any
@@ -140,6 +142,10 @@ class StructuredOutputsConfig:
     """`structured_outputs_config={"backend": "xgrammar" | "guidance"}`, as in vLLM."""
 
     backend: str = "xgrammar"
+    # A grammar not compiled within this many seconds ends its request (0: no limit). vLLM has
+    # VLLM_REGEX_COMPILATION_TIMEOUT_S (5 s, regexes only); here every kind, with room for a
+    # slow CPU: a 2000-property JSON schema takes 5.5 s on a shared Xeon core.
+    compilation_timeout_s: float = 10.0
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str) -> "StructuredOutputsConfig":
@@ -147,6 +153,11 @@ class StructuredOutputsConfig:
 
         config = cls(**_json_fields("structured_outputs_config", spec, cls))
         backend_class(config.backend)   # an unknown name: ValueError
+        timeout = config.compilation_timeout_s
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 <= timeout < float("inf")):
+            raise ValueError(f"structured_outputs_config.compilation_timeout_s must be a number "
+                             f">= 0 (0: no limit), got {timeout!r}")
         return config
 
 
@@ -253,6 +264,7 @@ class EngineArgs:
             raise ValueError("kv_transfer_config with more than one worker is not supported yet: "
                              "use pipeline_parallel_size=1 and tensor_parallel_size=1")
         device = self.device or _default_device()
+        _check_device(device)
         source = resolve_model(self.model)
         gguf_file = source if is_gguf(source) else None
         dtype = _resolve_dtype(self.dtype, device)
@@ -260,13 +272,7 @@ class EngineArgs:
         path = prepare_model(self.model)
         hf_config = load_hf_config(path)
 
-        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-        if self.max_model_len is None:
-            max_model_len = max_pos
-        elif self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        else:
-            max_model_len = self.max_model_len
+        max_model_len = _max_model_len(self.max_model_len, hf_config)
         block_size = self.block_size if self.block_size is not None else default_block_size(device)
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -289,7 +295,8 @@ class EngineArgs:
 
         model_cfg = ModelConfig(model=path, hf_config=hf_config, dtype=dtype,
                                 max_model_len=max_model_len, seed=self.seed,
-                                quantization=self.quantization, gguf_file=gguf_file)
+                                quantization=self.quantization, gguf_file=gguf_file,
+                                max_model_len_is_explicit=self.max_model_len is not None)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=self.num_kv_blocks,
                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                 enable_prefix_caching=self.enable_prefix_caching)
@@ -351,6 +358,43 @@ def _json_fields(name: str, spec: dict[str, Any] | str, cls: type) -> dict[str, 
     return spec
 
 
+ALLOW_LONG_MAX_MODEL_LEN = "TREADLE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def _max_model_len(requested: int | None, hf_config: Any) -> int:
+    """The user's max_model_len, or the model's own limit; past that limit only with
+    TREADLE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    model_max = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        return model_max or 2048
+    _check_positive("max_model_len", requested)
+    if model_max is not None and requested > model_max:
+        if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+            raise ValueError(
+                f"max_model_len ({requested}) is longer than the model's max_position_embeddings "
+                f"({model_max}); lower it, or set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it "
+                "(positions past the model's are ones it was never trained on)")
+        logger.warning("max_model_len %d is past the model's max_position_embeddings %d "
+                       "(%s=1); output past position %d may be garbage", requested, model_max,
+                       ALLOW_LONG_MAX_MODEL_LEN, model_max)
+    return requested
+
+
+def _check_device(device: str) -> None:
+    """Checked before the model is loaded, so a machine without CUDA says so in one line."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for, but CUDA is not available here "
+                             f"(torch {torch.__version__}, {torch.cuda.device_count()} GPUs "
+                             "visible); use device 'cpu' (--device cpu)")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} was asked for, but only "
+                             f"{torch.cuda.device_count()} CUDA devices are visible")
+
+
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -374,7 +418,7 @@ def _check_quantization(quantization: str | None, dtype: torch.dtype, device: st
 def default_block_size(device: str) -> int:
     """Tokens per KV block when none is given: 128 on CPU, as vLLM-CPU, since decode attention
     reads each block of a sequence as one run and longer runs keep more of the memory's
-    bandwidth (docs/benchmarks.md); 16 on GPU."""
+    bandwidth (docs/performance-log.md); 16 on GPU."""
     return 128 if device.startswith("cpu") else 16
 
 

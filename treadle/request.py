@@ -62,6 +62,9 @@ class Request:
       num_in_flight_drafts: draft tokens among the placeholders; the request is not scheduled
         again until they are verified, since the next position depends on how many survive.
       num_cached_tokens: prefix-cache hit length at the first schedule (-1 before it).
+      tenancy: which tenancy of its id and blocks this is, set by the scheduler on every add
+        and preemption and unique within it. Work in flight (a step's KV load) is matched to
+        the request by it, never by the id alone: clients reuse ids.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Request:
         self.num_cached_tokens = -1
         self.queue_time: float | None = None   # seconds from arrival to the first schedule
         self.num_preemptions = 0
+        self.tenancy = -1
         # Set when a KV load for it failed: it recomputes locally and is not offered external
         # KV again. kv_transfer_params: what the client passed for the connector, and once it
         # finishes, what the connector hands back (for the decode side of a P/D pair).

@@ -23,9 +23,13 @@ def admit(scheduler: Scheduler, request: Request, budget: int, num_scheduled: di
     hit_blocks, num_hit, num_external, load_async = [], 0, 0, False
     if not returning:
         hit_blocks, num_hit = scheduler.kv_cache.get_computed_blocks(request)
-        if scheduler.connector is not None and not request.kv_load_failed:
+        # A request that skips the local prefix cache (prompt logprobs) computes its whole
+        # prompt: KV from outside would leave those positions' logprobs uncomputed too.
+        if (scheduler.connector is not None and not request.kv_load_failed
+                and not request.skip_reading_prefix_cache):
             num_external, load_async = scheduler.connector.get_num_new_matched_tokens(request, num_hit)
             if num_external is None:
+                scheduler.waiting_for_connector = True
                 return None   # the connector cannot tell yet
     load_async = load_async and num_external > 0
     num_computed = request.num_computed_tokens if returning else num_hit + num_external
@@ -48,7 +52,7 @@ def admit(scheduler: Scheduler, request: Request, budget: int, num_scheduled: di
             scheduler.connector.update_state_after_alloc(request, block_ids, num_external)
             first = num_hit // scheduler.block_size
             load = (first, block_ids[first:first + num_external // scheduler.block_size],
-                    request.num_preemptions)
+                    request.tenancy)
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 scheduler.loading[rid] = async_loads[rid] = load

@@ -5,7 +5,7 @@ first, then the cached ones, least recently freed first (LRU). A block with no h
 prefix to keep, so taking it before any cached one keeps prefixes longer; and a block just
 freed is memory already touched, often still in cache, where an untouched one costs a page
 fault per page on its first write (about 1 GB/s on these VMs: 13 ms of a 288-token fp32
-prompt; docs/benchmarks.md).
+prompt; docs/performance-log.md).
 
 Invariants (checked by `check_invariants`, used by tests):
   - a block is in the free queue iff its ref_cnt is 0 (the null block is never in it);

@@ -47,8 +47,10 @@ def settle_kv_loads(scheduler: Scheduler, loads: dict[str, tuple[int, list[int],
     ended: list[EngineCoreOutput] = []
     for rid, (first, block_ids, tenancy) in loads.items():
         request = scheduler.requests.get(rid)
-        if request is None or request.num_preemptions != tenancy:
-            continue   # finished or reset since: nothing it holds now came from this load
+        if request is None or request.tenancy != tenancy:
+            # Finished or reset since, maybe with its id taken by a new request: nothing the
+            # request of that id holds now came from this load.
+            continue
         first_bad = _first_bad(first, block_ids, invalid_block_ids)
         scheduler.kv_cache.settle_loaded(request, first_bad)
         if first_bad is None:
@@ -68,12 +70,18 @@ def settle_async_load(scheduler: Scheduler, rid: str, invalid_block_ids: set[int
                       ) -> list[EngineCoreOutput]:
     """An asynchronous load reported done: the request goes back to the waiting queue with the
     tokens it really has, or ends (policy "fail"); returns its final output if it ended."""
-    aborted = scheduler.free_after_load.pop(rid, None)
+    aborted, delay_free = scheduler.free_after_load.pop(rid, (None, False))
     if aborted is not None:   # it ended while its load wrote into its blocks
-        scheduler.kv_cache.free(aborted)
+        if delay_free:   # the connector still reads them: freed when it reports them sent
+            scheduler.sending[rid] = aborted
+        else:
+            scheduler.kv_cache.free(aborted)
         return []
-    first, block_ids, _ = scheduler.loading.pop(rid)
+    first, block_ids, tenancy = scheduler.loading.pop(rid)
     request = scheduler.requests[rid]
+    # An id is never reused while its load runs (Scheduler.check_request), nor is a loading
+    # request preempted: the load is this request's.
+    assert request.tenancy == tenancy, f"{rid}: a load of tenancy {tenancy} for {request.tenancy}"
     first_bad = _first_bad(first, block_ids, invalid_block_ids)
     bs = scheduler.block_size
     request.num_computed_tokens = (first + len(block_ids) if first_bad is None else first_bad) * bs

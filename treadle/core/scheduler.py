@@ -15,6 +15,7 @@ were in flight.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import random
 from dataclasses import dataclass
@@ -57,9 +58,10 @@ class Scheduler:
         self.connector = connector   # its scheduler side, when KV crosses the engine's boundary
         self.kv_load_failure_policy = kv_load_failure_policy
         # Asynchronous KV loads going on, per request (as in SchedulerOutput.kv_loads), and
-        # requests that ended meanwhile, whose blocks are freed only once the load is done.
+        # requests that ended meanwhile, whose blocks are freed only once the load is done
+        # (then handed to `sending` instead, if the connector asked to free them late).
         self.loading: dict[str, tuple[int, list[int], int]] = {}
-        self.free_after_load: dict[str, Request] = {}
+        self.free_after_load: dict[str, tuple[Request, bool]] = {}
         # Finished requests whose blocks the connector still reads (delay_free_blocks): freed
         # when it reports them sent (finished_sending).
         self.sending: dict[str, Request] = {}
@@ -77,6 +79,10 @@ class Scheduler:
         # Finished requests' steps still in flight, by id: their output is dropped on arrival.
         self._finished_in_flight: dict[str, int] = {}
         self._seed_rng = random.Random(seed)
+        self._tenancies = itertools.count()   # Request.tenancy: never repeated
+        # Set by a schedule() in which the connector could not tell yet what it can load for
+        # the next waiting request: an empty step is then a wait, not a stall.
+        self.waiting_for_connector = False
         self._generator_seeds: dict[str, int] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
@@ -88,6 +94,7 @@ class Scheduler:
         self._generator_seeds[request.request_id] = (
             seed if seed is not None else self._seed_rng.getrandbits(62))
         self.requests[request.request_id] = request
+        request.tenancy = next(self._tenancies)
         self.waiting.add(request)
 
     def check_request(self, request: Request) -> None:
@@ -134,7 +141,7 @@ class Scheduler:
             delay, request.kv_transfer_params = self.connector.request_finished(
                 request, self.kv_cache.get_block_ids(request.request_id))
         if keep_blocks:
-            self.free_after_load[request.request_id] = request
+            self.free_after_load[request.request_id] = (request, delay)
         elif delay:
             self.sending[request.request_id] = request
         else:
@@ -218,8 +225,11 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, unless this step already had to preempt.
-        while (not preempted and (self.loaded or len(self.waiting)) and budget > 0
+        # 2. Requests back from an asynchronous load (they hold every block they need, so they
+        # start even in a step that had to preempt: requests holding blocks never wait behind
+        # requests that need them), then waiting ones, unless this step had to preempt.
+        self.waiting_for_connector = False
+        while ((self.loaded or (not preempted and len(self.waiting))) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.loaded[0] if self.loaded else self.waiting.peek()
             num_new = admit(self, request, budget, num_scheduled, kv_loads, async_loads)
@@ -325,6 +335,7 @@ class Scheduler:
         request.num_in_flight_drafts = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
+        request.tenancy = next(self._tenancies)
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
         logger.debug("preempted %s", request.request_id)
@@ -339,7 +350,8 @@ class Scheduler:
         invalid = kv_out.invalid_block_ids if kv_out is not None else set()
         if sched_out.kv_loads:   # before the outputs: a failed load makes this step's stale
             outputs += settle_kv_loads(self, sched_out.kv_loads, invalid)
-        for rid in kv_out.finished_recving if kv_out is not None else ():
+        # In id order: which of them starts first must not hang on a set's order.
+        for rid in sorted(kv_out.finished_recving) if kv_out is not None else ():
             outputs += settle_async_load(self, rid, invalid)
         for rid in kv_out.finished_sending if kv_out is not None else ():
             if (request := self.sending.pop(rid, None)) is not None:
@@ -374,7 +386,11 @@ class Scheduler:
                 if num_drafts:
                     self.spec_stats.observe(num_drafts, len(sampled) - 1)
             prompt_lps = runner_out.prompt_logprobs.get(rid)
-            if not sampled and prompt_lps is None:
+            if rid in runner_out.request_errors:   # it ends here, without this step's tokens
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = runner_out.request_errors[rid]
+                sampled = []
+            elif not sampled and prompt_lps is None:
                 continue  # a prefill chunk that is not the last one produces nothing
             new_ids: list[int] = []
             for tok in sampled:
@@ -426,12 +442,29 @@ class Scheduler:
             # From the back, each to the front of the queue: the waiting order stays FCFS.
             for request in reversed(list(self.running)):
                 self.preempt(request)
-            for request in reversed(self.loaded):   # their loaded KV goes too
-                self.kv_cache.free(request)
-                request.num_computed_tokens = 0
-                self.waiting.add(request, front=True)
-            self.loaded.clear()
+            self._unload_loaded()
         return self.kv_cache.reset_prefix_cache()
+
+    def _unload_loaded(self) -> None:
+        """Requests back from a load and not started drop its KV and wait to start again."""
+        for request in reversed(self.loaded):
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
+            request.tenancy = next(self._tenancies)
+            self.waiting.add(request, front=True)
+        self.loaded.clear()
+
+    def weights_changed(self, weights_identity: str) -> None:
+        """After a weight change, with no step or KV transfer in flight: no prefix computed with
+        the old weights is hit again, and the connector keys KV by the new identity. Requests
+        back from a load drop the KV they loaded and start anew. Running ones (kept by a pause
+        that kept the cache) go on from their KV, by the caller's choice, but never publish or
+        save more: their later blocks sit on KV of the old weights."""
+        assert not self.loading, "weights changed while KV loads into the cache"
+        self._unload_loaded()
+        self.kv_cache.reset_prefix_cache(force=True)
+        if self.connector is not None:
+            self.connector.weights_changed(weights_identity)
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache

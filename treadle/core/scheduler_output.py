@@ -49,7 +49,7 @@ class SchedulerOutput:
     # The KV connector's instructions for the workers this step (KVConnectorMetadata).
     kv_connector_metadata: Any = None
     # Scheduler-side record of this step's KV loads: request -> (index of its first loaded
-    # block, the loaded block ids, its num_preemptions then: which tenancy of its blocks).
+    # block, the loaded block ids, its Request.tenancy then: which tenancy of its id and blocks).
     # Settled when the step returns (core/kv_load_recovery.py).
     kv_loads: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
     # The same for loads started this step that finish asynchronously, in a later step's
@@ -84,6 +84,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Per request: drafts proposed for its next step (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the runner ends, with why: a grammar that allows no next token. Their tokens of
+    # this step are not output; the scheduler finishes them with finish_reason "error".
+    request_errors: dict[str, str] = field(default_factory=dict)
     # What the KV connector's worker side reported (KVConnectorOutput), if there is one.
     kv_connector_output: Any = None
 

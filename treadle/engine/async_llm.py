@@ -1,8 +1,9 @@
 """AsyncLLM: the online engine API for asyncio (streaming generation and the RL controls).
 
 The engine core is built and steps on its own thread (EngineCoreThread); this object lives on
-the caller's event loop. Tokenizing, detokenizing and stop strings happen here, on the loop; the core thread
-hands each step's outputs over with `call_soon_threadsafe`.
+the caller's event loop. Detokenizing and stop strings happen here, on the loop, and tokenizing
+a text prompt on a thread of this object's; the core thread hands each step's outputs over with
+`call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncGenerator, Callable, Iterable
 
 import torch
@@ -46,6 +47,9 @@ class AsyncLLM:
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.metrics = PrometheusMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics.requests)
+        # Texts are tokenized off the event loop (a long one takes about a second per MB), on
+        # one thread, so requests still reach the engine in the order they came.
+        self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="treadle-tokenize")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pause_mode: PauseMode | None = None
@@ -97,10 +101,13 @@ class AsyncLLM:
     async def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                            priority: int, cache_salt: str | None) -> asyncio.Queue:
         self._bind_loop()
-        self._check_accepting()
-        if request_id in self._streams or request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self.input_processor.tokenize(prompt)
+        self._check_new_request(request_id)
+        if self.input_processor.needs_tokenizer(prompt):
+            text, ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_thread, self.input_processor.tokenize, prompt)
+            self._check_new_request(request_id)   # a pause or the same id may have come meanwhile
+        else:
+            text, ids = self.input_processor.tokenize(prompt)
         requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
@@ -114,6 +121,11 @@ class AsyncLLM:
             self._abort_now(request_id)
             raise
         return stream
+
+    def _check_new_request(self, request_id: str) -> None:
+        self._check_accepting()
+        if request_id in self._streams or request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
 
     def _check_accepting(self) -> None:
         if self._dead is not None:
@@ -268,4 +280,5 @@ class AsyncLLM:
         """Abort whatever is running and stop the engine thread."""
         for rid in list(self.output_processor.requests):
             self._abort_now(rid)
+        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
         self._core.stop()

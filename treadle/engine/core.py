@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from typing import Any, Callable, Iterable, Literal
 
@@ -20,7 +21,8 @@ from treadle.core.scheduler import EngineCoreOutput, Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
-from treadle.engine.worker_restart import can_restart, restart_workers
+from treadle.engine.weights import ServedWeights
+from treadle.engine.worker_restart import restart_refusal, restart_workers
 from treadle.executor import create_executor
 from treadle.executor.mp import WorkerFailedError
 from treadle.kv_transfer import KVConnectorRole, create_connector
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("weights", "kv_cache")
+CONNECTOR_RETRY_S = 0.005   # between schedules while a connector answers "ask again later"
 
 
 class EngineCore:
@@ -43,6 +46,13 @@ class EngineCore:
         cache, model = config.cache, config.model
         capacity = (num_blocks - 1) * cache.block_size
         if model.max_model_len > capacity:
+            if model.max_model_len_is_explicit:   # as vLLM: the user's number is not lowered
+                self.executor.shutdown()
+                raise ValueError(
+                    f"max_model_len ({model.max_model_len}) is more than the KV cache can hold "
+                    f"({capacity} tokens: {num_blocks} blocks of {cache.block_size}, one kept "
+                    f"empty); lower max_model_len to at most {capacity}, or raise num_kv_blocks "
+                    "or kv_cache_memory_bytes")
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it",
                            model.max_model_len, capacity)
             model.max_model_len = capacity
@@ -58,7 +68,8 @@ class EngineCore:
                     capacity / model.max_model_len, model.max_model_len)
         # Requests whose grammar is compiling: in the engine, not yet in the scheduler.
         self.grammars = GrammarGate(lambda: get_backend(
-            config.structured_outputs.backend, model.model, model.vocab_size))
+            config.structured_outputs.backend, model.model, model.vocab_size),
+            config.structured_outputs.compilation_timeout_s)
         self.async_scheduling = config.scheduler.async_scheduling
         self.max_steps_in_flight = max_steps_in_flight(config)
         # A step returns at once (sync, one stage) or later, through its .result().
@@ -67,7 +78,7 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         self.paused = False
         self.asleep: set[str] = set()     # parts put to sleep and not woken yet
-        self.weight_version: Any = 0
+        self.weights = ServedWeights()
         self.num_worker_restarts = 0
 
     # -- requests ----------------------------------------------------------------------
@@ -79,6 +90,7 @@ class EngineCore:
         else:
             self.scheduler.check_request(request)
             self.grammars.hold(request)
+            self.executor.warm_grammar(request.sampling_params.structured_outputs)
 
     def add_requests(self, requests: list[Request]) -> None:
         """All of a user request's samples (n > 1), or none of them."""
@@ -129,6 +141,10 @@ class EngineCore:
                 self.batch_queue.append((result, sched_out))
                 scheduled = True
             elif not self.batch_queue:
+                if self.scheduler.waiting_for_connector:
+                    # The connector cannot tell yet what it can load for the next request.
+                    time.sleep(CONNECTOR_RETRY_S)
+                    return outputs
                 # Every known request fits on its own, so an idle step with work waiting is a bug.
                 raise RuntimeError("scheduler made no progress with requests waiting")
         if not self.batch_queue:
@@ -167,8 +183,9 @@ class EngineCore:
 
     def _lost_workers(self, error: WorkerFailedError) -> None:
         """Restart the worker group if allowed (`max_worker_restarts`), else the engine is dead."""
-        if not can_restart(self):
-            raise EngineDeadError(f"a model step failed: {error!r}") from error
+        refusal = restart_refusal(self)
+        if refusal is not None:
+            raise EngineDeadError(f"a model step failed: {error!r}{refusal}") from error
         try:
             restart_workers(self, str(error))
         except Exception as e:   # no workers now: nothing can run
@@ -242,36 +259,41 @@ class EngineCore:
             raise RuntimeError(f"{what} needs a paused or idle engine: "
                                "call pause_generation() first")
 
+    @property
+    def weight_version(self) -> Any:
+        """The user's label for the weights served (counted up when an update gives none)."""
+        return self.weights.label
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        weight_version: Any = None) -> int:
         """Copy (transformers name, tensor) pairs into the model in place; a subset is fine."""
-        return self._change_weights("update_weights", list(named_tensors), weight_version)
+        named_tensors = list(named_tensors)
+        return self._change_weights("update_weights", named_tensors,
+                                    lambda: self.weights.updated(named_tensors, weight_version))
 
     def load_weights(self, path: str, weight_version: Any = None) -> int:
         """Reload every weight from a folder or GGUF of the same architecture."""
-        return self._change_weights("load_weights", path, weight_version)
+        return self._change_weights("load_weights", path,
+                                    lambda: self.weights.loaded(path, weight_version))
 
-    def _change_weights(self, worker_method: str, source: Any, weight_version: Any) -> int:
+    def _change_weights(self, worker_method: str, source: Any,
+                        served_after: Callable[[], ServedWeights]) -> int:
         self._check_quiet(worker_method)
         self.drain()
+        self._wait_for_kv_transfers()   # no load may land KV of the old weights after it
         if self.config.parallel.world_size > 1:
             # Every rank checks its part before any rank changes a weight: a refused update
             # leaves the whole model as it was.
             self.executor.collective_rpc("check_weights", (
                 source if isinstance(source, str) else [(n, tuple(t.shape)) for n, t in source],))
         count = self.executor.collective_rpc(worker_method, (source,))[0]
-        self._after_weight_change(weight_version)
+        self.weights = served_after()
+        # No KV computed with the old weights may be read again, nor any computed on top of it
+        # be stored under the new identity.
+        self.scheduler.weights_changed(self.weights.identity)
+        logger.info("weights updated; weight_version=%r (identity %s)", self.weights.label,
+                    self.weights.identity[:12])
         return count
-
-    def _after_weight_change(self, weight_version: Any) -> None:
-        # No cached prefix computed with the old weights may be hit again.
-        self.scheduler.kv_cache.reset_prefix_cache(force=True)
-        if weight_version is None:
-            weight_version = self.weight_version + 1 if isinstance(self.weight_version, int) else None
-        self.weight_version = weight_version
-        if self.connector is not None:   # stored KV of other weights must not match
-            self.connector.weight_version = weight_version
-        logger.info("weights updated; weight_version=%r", weight_version)
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: drop the KV cache (and offload weights on GPU). Level 2: drop weights too."""
@@ -306,7 +328,10 @@ class EngineCore:
         """Why the engine cannot serve, or None: a worker group that died and will not be
         replaced (`max_worker_restarts`). Changes nothing, so any thread may ask."""
         reason = self.executor.failure()
-        return reason if reason is not None and not can_restart(self) else None
+        if reason is None:
+            return None
+        refusal = restart_refusal(self)
+        return reason + refusal if refusal is not None else None
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()

@@ -9,7 +9,7 @@ Why the core is built here: each thread that runs torch's parallel CPU ops gets 
 of its own. Loading the model on the caller's thread left that thread a second, idle team, and
 libgomp, seeing more threads than cores, then spins only briefly at each barrier before it
 sleeps. The forward pass ran about 25% slower (batch-1 TPOT 30 against 24 ms, fp32, 2 cores;
-docs/benchmarks.md). With one thread doing all the torch work there is one team.
+docs/performance-log.md). With one thread doing all the torch work there is one team.
 """
 
 from __future__ import annotations

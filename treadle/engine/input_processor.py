@@ -22,6 +22,12 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         self.eos_token_id = default_eos_token_id(tokenizer, config.model.hf_config)
 
+    @staticmethod
+    def needs_tokenizer(prompt: PromptType) -> bool:
+        """Whether tokenize(prompt) runs the tokenizer: a text without its token ids."""
+        return isinstance(prompt, str) or (isinstance(prompt, dict)
+                                           and "prompt_token_ids" not in prompt)
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Accepts a str, {"prompt": str}, {"prompt_token_ids": [...]} or a list of token ids."""
         if isinstance(prompt, dict):
@@ -70,14 +76,25 @@ class InputProcessor:
             raise ValueError(
                 f"prompt is {num_prompt_tokens} tokens; it must be shorter than max_model_len "
                 f"({max_len}) to leave room for output")
+        max_tokens = params.max_tokens
+        if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
+            # vLLM's wording, which clients parse for the numbers; plus the field and its range.
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                f"messages or completion: max_tokens must be in [1, "
+                f"{max_len - num_prompt_tokens}] for this prompt, got {max_tokens}.")
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       priority: int = 0, cache_salt: str | None = None,
                       arrival_time: float | None = None) -> list[Request]:
         """One engine-core request per sample; with n > 1 they share the prompt's cached blocks."""
         self.validate_params(params, len(prompt_token_ids))
-        room = self.config.model.max_model_len - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # No max_tokens: the room left in the context, as in vLLM.
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.config.model.max_model_len - len(prompt_token_ids)
         requests = []
         for i in range(params.n):
             child = params

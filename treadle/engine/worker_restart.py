@@ -7,9 +7,10 @@ they carried was made stale by the preemption, so the token ledger drops it, and
 counters settle exactly as for steps that returned. Then the prefix cache is emptied, since
 the new workers' KV cache holds nothing, and a new group starts with the same configuration.
 
-Only where a restart can restore everything: not after the weights were changed in place (the
-new workers load them from the model's files), and not with a KV connector (whose transfers
-in flight cannot be replayed).
+Only where a restart can restore everything: the weights served (the checkpoint, or the files
+of the last `load_weights`, which the new workers load again; never after weights were changed
+in place, which no file holds: `ServedWeights.restart_refusal`), and not with a KV connector
+(whose transfers in flight cannot be replayed).
 """
 
 from __future__ import annotations
@@ -27,9 +28,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def can_restart(core: "EngineCore") -> bool:
-    return (core.num_worker_restarts < core.config.parallel.max_worker_restarts
-            and core.connector is None and core.weight_version == 0 and not core.asleep)
+def restart_refusal(core: "EngineCore") -> str | None:
+    """None if the worker group may be replaced now; else what to add to the failure's message
+    (nothing when restarts are off)."""
+    allowed = core.config.parallel.max_worker_restarts
+    if allowed == 0:
+        return ""
+    if core.num_worker_restarts >= allowed:
+        why = f"all {allowed} restarts allowed (max_worker_restarts) were used"
+    elif core.connector is not None:
+        why = "a KV connector's transfers in flight cannot be replayed"
+    elif core.asleep:
+        why = "the engine is asleep"
+    else:
+        why = core.weights.restart_refusal()
+        if why is None:
+            return None
+    return f"; the workers were not restarted: {why}"
 
 
 def restart_workers(core: "EngineCore", reason: str) -> None:
@@ -53,6 +68,8 @@ def restart_workers(core: "EngineCore", reason: str) -> None:
     config = dataclasses.replace(
         core.config, cache=dataclasses.replace(core.config.cache, num_kv_blocks=num_blocks))
     core.executor = create_executor(config)
+    if core.weights.source is not None:   # the weights served came from these files
+        core.executor.collective_rpc("load_weights", (core.weights.source,))
 
 
 def _stale_output(sched_out: SchedulerOutput) -> ModelRunnerOutput:

@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from treadle.config import EngineArgs
 
@@ -15,7 +15,9 @@ _ENGINE_HELP = {
     "dtype": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)",
     "quantization": "int8: weight-only int8; gguf: a .gguf model's own Q4_0/Q4_1/Q8_0 blocks "
                     "(both for batch-1 latency; CPU, float32; opt-in)",
-    "max_model_len": "longest prompt + output, in tokens (default: the model's own limit)",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's own limit, lowered "
+                     "to what the KV cache holds; past the model's limit only with "
+                     "TREADLE_ALLOW_LONG_MAX_MODEL_LEN=1)",
     "block_size": "tokens per KV-cache block (default: 128 on CPU, as vLLM-CPU; 16 on GPU)",
     "num_kv_blocks": "number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "KV-cache budget in bytes (default: sized to this machine)",
@@ -197,8 +199,16 @@ def cmd_disagg_proxy(ns: argparse.Namespace) -> int:
     return disagg_proxy.main(ns)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line: `treadle serve`'s full usage is dozens of lines of flags, and
+    printed first it buries the one that was wrong. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="treadle",
         description="treadle: LLM inference on a paged KV cache. Runs the embedded "
                     "SmolLM2-135M-Instruct when no --model is given.")
@@ -238,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode", required=True, metavar="URL",
                        help="the decode server, e.g. http://127.0.0.1:8200")
     proxy.add_argument("--host", default="127.0.0.1", help="address to bind [default: 127.0.0.1]")
-    proxy.add_argument("--port", type=int, default=8000, help="port to bind [default: 8000]")
+    proxy.add_argument("--port", type=serve_args.port_number, default=8000,
+                       help="port to bind [default: 8000]")
     proxy.set_defaults(func=cmd_disagg_proxy)
 
     cache = sub.add_parser(

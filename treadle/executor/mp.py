@@ -30,6 +30,7 @@ from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import INIT_TIMEOUT, output_rank
 from treadle.engine.errors import EngineDeadError
 from treadle.executor.mp_worker import SHUTDOWN, RemoteError, dumps, worker_main
+from treadle.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,12 @@ class MultiprocExecutor:
                              reply_from={self.output_rank})
         pending = PendingStep(self, call_id)
         return pending if non_block else pending.result()
+
+    def warm_grammar(self, params: StructuredOutputsParams) -> None:
+        """Tell every worker a request's grammar as the request arrives, so that the ranks that
+        sample compile it before its first step. No reply is awaited."""
+        if self._dead is None:
+            self._send("warm_grammar", (params,), {}, reply_from=set())
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.structured_output.params import StructuredOutputsParams
 from treadle.worker.malloc import keep_freed_memory
 from treadle.worker.worker import Worker
 
@@ -41,6 +42,10 @@ class UniProcExecutor:
             return self.worker.execute_model(scheduler_output)
         future = self._thread.submit(self.worker.execute_model, scheduler_output)
         return future if non_block else future.result()
+
+    def warm_grammar(self, params: StructuredOutputsParams) -> None:
+        """Nothing to do: the worker shares this process's grammar backend, whose cache the
+        engine core's own compile fills."""
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -57,7 +57,7 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # -ffast-math lets GCC vectorise exp (glibc's libmvec) and the reductions; the kernels never
 # feed it an inf or a NaN. No FMA contraction: products round as torch's do. On x86, GCC's
 # tuning for Intel's server cores vectorises loops 256 bits wide even with AVX-512 (libmvec's
-# 8-lane exp included): 512 made the prefill attention 2-2.5x faster on one (docs/benchmarks.md).
+# 8-lane exp included): 512 made the prefill attention 2-2.5x faster on one (docs/performance-log.md).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-ffp-contract=off"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     CFLAGS.append("-mprefer-vector-width=512")

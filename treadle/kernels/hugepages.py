@@ -5,7 +5,7 @@ A decode step reads every weight once. In 4 KiB pages that is a TLB miss every 4
 a VM each miss walks two page tables (the guest's, then the host's). On the 2-core Xeon VM,
 one thread read 1 GiB at 4-6 GB/s in 4 KiB pages and 12-13 GB/s in 2 MiB pages, and a bf16
 decode step's linear layers took 18.8 ms against 13.6 at one row, 31.2 against 24.6 at 56
-(docs/benchmarks.md, "weights in huge pages"). A bf16 KV cache is read 25-40% faster here;
+(docs/performance-log.md, "weights in huge pages"). A bf16 KV cache is read 25-40% faster here;
 an fp32 one stays out: no gain of its steps was shown ("huge pages, again").
 
 Linux gives a private anonymous mapping transparent huge pages where it is asked to with

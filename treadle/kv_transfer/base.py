@@ -85,6 +85,11 @@ class KVConnectorBase:
         """This step's instructions for the worker side; resets the per-step state."""
         return KVConnectorMetadata()
 
+    def weights_changed(self, weights_identity: str) -> None:
+        """The engine serves other weights from now on (steps drained). KV is keyed by their
+        identity; requests that hold KV from before never save any more of theirs, since all of
+        it depends on the old weights."""
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the worker side reported for a step."""
 

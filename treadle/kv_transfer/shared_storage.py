@@ -2,7 +2,8 @@
 
 `kv_connector_extra_config={"shared_storage_path": DIR}`. Each full block of a request's known
 tokens is one file, named by the block's prefix hash and what makes KV differ between engines:
-the model, the dtype, the layer layout, the block size and the weight version. A producer saves
+the model, the dtype, the layer layout, the block size and the weights' identity (see
+`engine/weights.py`; never the user's weight_version label). A producer saves
 the blocks each step computes; a consumer, when it first schedules a request, loads the longest
 run of stored blocks after its local prefix-cache hit: at the start of that step, or with
 `"load_async": true` on a worker thread while the request waits for it.
@@ -60,9 +61,13 @@ class SharedStorageMetadata(KVConnectorMetadata):
 
 @dataclass
 class _Tracked:
+    """One tenancy of a request: from its admission (update_state_after_alloc) until it ends
+    or is admitted again after a preemption."""
+
     request: Request
     block_ids: list[int]
     num_handled: int   # leading blocks already in the store (saved, loaded or hit locally)
+    weights_identity: str   # of the weights its KV was computed with from the start
 
 
 class SharedStorageConnector(KVConnectorBase):
@@ -76,7 +81,9 @@ class SharedStorageConnector(KVConnectorBase):
         model = config.model
         self._layout = (os.path.realpath(model.model), str(model.dtype), model.num_layers,
                         model.num_kv_heads, model.head_dim, self.block_size)
-        self.weight_version: object = 0
+        # Of the weights served: the engine's checkpoint until weights_changed() (the name
+        # ServedWeights gives it).
+        self.weights_identity = "checkpoint"
         # With "load_async": true, loads run on a worker thread while the engine steps on, and
         # their requests wait (WAITING_FOR_REMOTE_KVS) until they are done.
         self.load_async = bool(self.extra.get("load_async", False))
@@ -100,7 +107,7 @@ class SharedStorageConnector(KVConnectorBase):
 
     # -- naming --------------------------------------------------------------------------
     def block_key(self, block_hash: bytes) -> str:
-        identity = repr((self._layout, self.weight_version)).encode()
+        identity = repr((self._layout, self.weights_identity)).encode()
         return hashlib.sha256(identity + block_hash).hexdigest()
 
     def _path(self, key: str) -> Path:
@@ -132,16 +139,22 @@ class SharedStorageConnector(KVConnectorBase):
             self._async_loads[request.request_id] = loads
         else:
             self._loads += loads
-        self._tracked[request.request_id] = _Tracked(request, list(block_ids), first + num_external)
+        # A new tenancy starts: whatever was tracked for the id before (a preempted request,
+        # reset or cut back by a failed load) is replaced.
+        self._tracked[request.request_id] = _Tracked(request, list(block_ids), first + num_external,
+                                                     self.weights_identity)
+
+    def weights_changed(self, weights_identity: str) -> None:
+        self.weights_identity = weights_identity
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SharedStorageMetadata:
         meta = SharedStorageMetadata(loads=self._loads, async_loads=self._async_loads,
                                      poll_wait_s=0.0 if scheduler_output.num_scheduled_tokens
                                      else 0.005)
         self._loads, self._async_loads = [], {}
-        new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-        for rid in scheduler_output.finished_req_ids - new_ids:
-            self._tracked.pop(rid, None)
+        # Tracking is not dropped by finished_req_ids: a request preempted there may have been
+        # admitted again since, even in this very schedule (an asynchronous load puts it in
+        # no step's new requests). It ends in request_finished or update_state_after_alloc.
         cached = scheduler_output.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
             self._tracked[rid].block_ids += block_ids
@@ -153,6 +166,8 @@ class SharedStorageConnector(KVConnectorBase):
             return meta
         for rid in scheduler_output.num_scheduled_tokens:
             tracked = self._tracked[rid]
+            if tracked.weights_identity != self.weights_identity:
+                continue   # computed on KV of older weights: right under no identity's key
             request = tracked.request
             # Blocks whose tokens are all known and computed once this step has run.
             num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size

@@ -28,14 +28,14 @@ logger = logging.getLogger(__name__)
 
 # ggml's type ids of the blocks the kernel reads (kernels/csrc/gguf_blocks.h), and each
 # block's bytes (32 weights). The K-quants read so ran no faster than fp32 at one row
-# (docs/benchmarks.md), so they are dequantized at load like every other type.
+# (docs/performance-log.md), so they are dequantized at load like every other type.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 # Rows up to which `gguf_rows_linear` serves. Past them decoding the blocks costs more than
 # the fp32 panels' reads: SmolLM2's Q4_1 layers took 3.7-4.5, 4.8-6.3, 8.1-10.5 and 11.3-11.6
 # ms at 1, 2, 4 and 6 rows, the panels 8.3-11.0, 8.1-10.7, 8.2-10.6 and 8.9-10.9 (docs/
-# benchmarks.md, "Lever: a GGUF file's own blocks").
+# performance-log.md, "Lever: a GGUF file's own blocks").
 GGUF_ROWS = 4
 
 

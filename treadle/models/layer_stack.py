@@ -4,7 +4,7 @@
 decoder layers with the kernels the Python layers call, chosen by the same rules
 (`linear.linear`) and run in the same order, so the hidden states are the same bits; it only
 removes the interpreter between ops: about a fifth of a batch-1 step, and as much again in a
-step with prefill chunks (docs/benchmarks.md). It serves every step whose attention runs in the
+step with prefill chunks (docs/performance-log.md). It serves every step whose attention runs in the
 C++ kernels; the Python layers serve the rest (no kernels, or tensor parallelism).
 """
 

@@ -7,7 +7,7 @@ for the few-row kernels: int8 (`Int8Weight`) or a GGUF file's own blocks
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight matrix on every call. At decode
 batch sizes that packing costs about as much as the multiply. A weight packed once into
 oneDNN's blocked layout measured, for SmolLM2's 30 layers on 2 cores (fp32), 2.1x faster at 37
-rows and 1.16x at 2,048 rows (docs/benchmarks.md).
+rows and 1.16x at 2,048 rows (docs/performance-log.md).
 
 The packed copy lives beside the weight, which stays the source of truth for loading and RL
 weight updates. The packed copy is a snapshot, so it must be packed again after any change
@@ -46,7 +46,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 # Rows up to which the C++ kernel `small_rows_linear` (treadle/kernels) beats the packed GEMM:
 # at these sizes a layer is bound by reading its weight. SmolLM2's linears, 2 cores, ms per
 # pass at 1/2/3/4 rows: fp32 16.9/16.9/18.7/20.4 against 24.1/26.6/23.0/21.3, bf16
-# 8.9/9.5/10.6/13.1 against 14.4/15.2/13.1/12.9 (docs/benchmarks.md).
+# 8.9/9.5/10.6/13.1 against 14.4/15.2/13.1/12.9 (docs/performance-log.md).
 SMALL_ROWS = 4
 
 
@@ -55,7 +55,7 @@ def _small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 # Rows up to which `int8_rows_linear` beats the packed fp32 GEMM: 5.5/11.9/16.0 ms against
-# 21.1/17.2/17.3 at 1/4/6 rows, level at 8 (docs/benchmarks.md).
+# 21.1/17.2/17.3 at 1/4/6 rows, level at 8 (docs/performance-log.md).
 INT8_ROWS = 6
 INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0)
 
@@ -63,7 +63,7 @@ INT8_GROUP = 32   # weights per scale, along the input dimension (as GGUF's Q8_0
 # Rows from which and up to which the AMX tile kernel `tiles_linear` (bf16) serves: in a
 # SmolLM2 decode step it beat the few-row kernel from 3 rows (level at 2), and its GEMMs beat
 # oneDNN's packed ones by 20-23% per layer from 288 to 1,024 rows, but not at 2,048 (bf16
-# TTFT at 512 tokens 111 -> 90-100 ms; docs/benchmarks.md).
+# TTFT at 512 tokens 111 -> 90-100 ms; docs/performance-log.md).
 TILE_FROM_ROWS = 2
 TILE_ROWS = 1024
 # In fp32 the same copy holds AVX-512 panels (kernels/csrc/linear_panels.cpp), up to this many
@@ -71,13 +71,13 @@ TILE_ROWS = 1024
 # 0.55-0.61 at 2-8 rows, 1.15 against 1.67 at 48, 2.97 against 3.11 at 128, but 5.95 against
 # 5.55 at 256, and past 128 rows the bf16x3 kernel (below) takes them there. Without AMX the
 # panels held their lead further: 1.10x oneDNN's speed at 128 rows, 1.04-1.07x at 192-320,
-# 1.03x at 384, level from 448 (weights from memory, Zen 5; docs/benchmarks.md).
+# 1.03x at 384, level from 448 (weights from memory, Zen 5; docs/performance-log.md).
 PANEL_ROWS = 128 if cpu_has("amx_tile") else 384
 # In bf16 on a CPU with AVX512-BF16 but no AMX tiles, the same copy holds panels of bf16 pairs
 # (kernels/csrc/linear_pairs.cpp), from 1 row up to PAIR_ROWS: a SmolLM2 layer's four linears,
 # weights from memory, took 134 µs against the few-row kernel's 148 at 1 row, 147 against
 # oneDNN's 242 at 8, 298 against 443 at 32, 980 against 1,156 at 128 and 3,813 against 3,897
-# at 512; level with oneDNN from 768 to 1,024 rows (Zen 5, docs/benchmarks.md).
+# at 512; level with oneDNN from 768 to 1,024 rows (Zen 5, docs/performance-log.md).
 PAIR_ROWS = 512
 # Past PANEL_ROWS an fp32 weight with AMX tiles runs `bf16x3_linear` (kernels/csrc/
 # linear_bf16x3.cpp): each operand split into three bf16 parts, six of their products summed in

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -97,9 +98,18 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-@functools.lru_cache(maxsize=4)
+_building = threading.Lock()
+
+
 def get_backend(name: str, model_path: str, vocab_size: int) -> GrammarBackend:
-    """This process's backend for a model (built once: reading a vocabulary takes a while)."""
+    """This process's backend for a model (built once: reading a vocabulary takes a while).
+    Compile threads ask for it at once: the first builds it, the others wait for that one."""
+    with _building:
+        return _build_backend(name, model_path, vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _build_backend(name: str, model_path: str, vocab_size: int) -> GrammarBackend:
     from treadle.models.loader import default_eos_token_id, load_hf_config, load_tokenizer
 
     cls = backend_class(name)

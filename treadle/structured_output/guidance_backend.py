@@ -85,6 +85,11 @@ class GuidanceMatcher(Matcher):
             self._terminated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._m.is_error():
+            # No way on (an unsatisfiable regex): llguidance would allow EOS alone, which accept()
+            # refuses as the grammar cannot end here. An empty row says what it is.
+            bitmask[row].zero_()
+            return
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
     def is_terminated(self) -> bool:

@@ -10,13 +10,18 @@ engine core, never on its way to this sampler. Drafts are matched tentatively an
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import NewRequestData
-from treadle.structured_output.backend import GrammarBackend, get_backend
+from treadle.structured_output.backend import GrammarBackend, Matcher, get_backend
+from treadle.structured_output.compile_ahead import CompileAhead
 from treadle.worker.request_state import RequestSlots
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarMatchers:
@@ -24,6 +29,7 @@ class GrammarMatchers:
         self.config = config
         self.slots = slots
         self._backend: GrammarBackend | None = None
+        self.ahead = CompileAhead(lambda: self.backend)   # Worker.warm_grammar starts these
 
     @property
     def backend(self) -> GrammarBackend:
@@ -40,8 +46,10 @@ class GrammarMatchers:
             return
         stop_ids = ([new.eos_token_id] if new.eos_token_id is not None else []) + \
             list(new.sampling_params.stop_token_ids)
-        matcher = self.backend.matcher(self.backend.compile(params), stop_ids)
+        matcher = self.backend.matcher(self.ahead.compiled(params), stop_ids)
         for t in new.token_ids[new.num_prompt_tokens:]:
+            # Not reachable from a request: a matcher accepted each of these tokens before (a
+            # refused token is never output, accept() ends its request), so a replay cannot fail.
             accepted = matcher.accept(int(t))
             assert accepted, f"{new.req_id}: its own output token {t} breaks its grammar"
         self.slots.grammar[slot] = matcher
@@ -68,15 +76,36 @@ class GrammarMatchers:
                         matcher.accept(d[j])
                 matcher.rollback(k)
             first += len(d) + 1
+        # A row that allows no token (a dead end: regex a[^\s\S]b after "a") stays free, so that
+        # its sample is well defined; accept() then refuses it and ends the request.
+        allowed = bitmask[rows].ne(0).any(dim=1).tolist() if rows else []
+        rows = [r for r, some in zip(rows, allowed) if some]
         return (bitmask[rows], rows) if rows else None
 
-    def accept(self, slot: int, token_ids: list[int]) -> None:
+    def accept(self, slot: int, token_ids: list[int]) -> str | None:
+        """Advance a slot's matcher past its accepted tokens. A token its grammar refuses ends the
+        request: returns why (the request's error), and the slot is constrained no more, as the
+        scheduler drops its tokens from now on."""
         matcher = self.slots.grammar[slot]
         if matcher is None or matcher.is_terminated():
-            return
-        for t in token_ids:
-            accepted = matcher.accept(t)
-            assert accepted, f"slot {slot}: sampled token {t} outside its grammar's mask"
+            return None
+        for i, t in enumerate(token_ids):
+            if not matcher.accept(t):
+                self.slots.grammar[slot] = None
+                return self._refusal(slot, matcher, t, i)
+        return None
+
+    def _refusal(self, slot: int, matcher: Matcher, token_id: int, index: int) -> str:
+        num_output = int(self.slots.num_tokens[slot] - self.slots.num_prompt_tokens[slot]) + index
+        row = self.backend.allocate_bitmask(1)
+        matcher.fill_bitmask(row, 0)
+        if not row.any():
+            return (f"structured_outputs cannot be satisfied: its grammar allows no token after "
+                    f"{num_output} output token(s)")
+        # The mask allowed tokens, yet the sampled one is not among them: an engine bug, which
+        # still ends only this request.
+        logger.error("slot %d: sampled token %d outside its grammar's mask", slot, token_id)
+        return f"sampled token {token_id} outside its grammar's mask"
 
     def valid_drafts(self, slot: int, drafts: list[int]) -> list[int]:
         """`drafts` cut at the first one the grammar refuses: it could never be accepted."""

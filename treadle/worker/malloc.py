@@ -5,14 +5,14 @@ bf16 prefill: up to 12 MiB each). By default glibc serves blocks past a threshol
 (128 KiB at first) with mmap and unmaps them on free, and gives the heap's free top back to
 the kernel past another; either way the next layer's allocation comes back from the kernel
 a page at a time. A 2,000-token bf16 prefill took 48,000-107,000 minor page faults and
-478-547 ms; with both thresholds fixed high, 11,300 and 450-464 ms (docs/benchmarks.md).
+478-547 ms; with both thresholds fixed high, 11,300 and 450-464 ms (docs/performance-log.md).
 vLLM's CPU backend gets the same from the tcmalloc it preloads.
 
 Every thread shares the main arena, too. glibc gives a thread that allocates an arena of its
 own, which grows in heaps of at most 64 MiB and unmaps each heap that empties, whatever the
 trim threshold. `treadle serve` steps the model on AsyncLLM's engine thread: 32 prompts (9,603
 tokens) took 340,000-390,000 page faults in fp32 and 170,000-210,000 in bf16, and the last
-first token came 5-10% later than with one arena (docs/benchmarks.md). A thread's arena is
+first token came 5-10% later than with one arena (docs/performance-log.md). A thread's arena is
 fixed at its first allocation, so this must run before such a thread starts.
 """
 

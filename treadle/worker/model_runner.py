@@ -117,11 +117,11 @@ class ModelRunner:
         # past a sequence's end, which must then be finite (0 * NaN = NaN); and a page touched
         # now is not page-faulted in a step. Left to the first write, a 288-token fp32 prompt
         # paid 13 ms of faults on a fresh server, and memory a VM had never backed cost up to
-        # 2.6 s/GB there (docs/benchmarks.md). Start-up pays about 0.25 s/GB instead.
+        # 2.6 s/GB there (docs/performance-log.md). Start-up pays about 0.25 s/GB instead.
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             # bf16 K/V in huge pages (kernels/hugepages.py): decode attention read it 25-40%
             # faster in the engine. fp32 stays in 4 KiB pages: its attention alone read them
-            # only 4% faster there, and no step or offline run gained (docs/benchmarks.md,
+            # only 4% faster there, and no step or offline run gained (docs/performance-log.md,
             # "huge pages, again").
             self.kv_caches = [c.zero_() for c in hugepages.carve([(shape, self.dtype)] * len(self.layers))]
         else:
@@ -217,11 +217,14 @@ class ModelRunner:
             self.inbox.expect(self.step, [req_ids[r] for r in np.flatnonzero(samples)])
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         logprobs: dict[str, list[TokenLogprobs]] = {}
+        request_errors: dict[str, str] = {}
         if samples.any():
             rows = np.flatnonzero(samples)
-            sampled_rows, logprobs_rows = self._sample_and_verify(
+            sampled_rows, logprobs_rows, slot_errors = self._sample_and_verify(
                 hidden, idx[rows], starts[rows] + q_lens[rows] - 1 - num_drafts[rows],
                 [drafts[r] for r in rows])
+            request_errors = {req_ids[r]: slot_errors[int(idx[r])] for r in rows
+                              if int(idx[r]) in slot_errors}
             for r, tokens, lps in zip(rows, sampled_rows, logprobs_rows):
                 slot = int(idx[r])
                 for tok in tokens:
@@ -246,7 +249,8 @@ class ModelRunner:
 
         prompt_logprobs = self._prompt_logprobs(req_ids, idx, starts, q_lens, ctx, hidden)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, draft_token_ids=draft_token_ids)
+                                 prompt_logprobs=prompt_logprobs, draft_token_ids=draft_token_ids,
+                                 request_errors=request_errors)
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, meta) -> torch.Tensor:
         """This stage's part of the model; hidden states come from the stage before and go to
@@ -262,10 +266,11 @@ class ModelRunner:
         return hidden
 
     def _sample_and_verify(self, hidden: torch.Tensor, slot_ids: np.ndarray, first_rows: np.ndarray,
-                           drafts: list[list[int]]
-                           ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+                           drafts: list[list[int]]) -> tuple[
+                               list[list[int]], list[list[TokenLogprobs] | None], dict[int, str]]:
         """Sample each request's next token; with k drafts, sample all 1 + k positions and keep
-        the drafts up to the first one the sample disagrees with, plus that sample.
+        the drafts up to the first one the sample disagrees with, plus that sample. Also returns,
+        per slot whose grammar refused its tokens, why its request ends.
 
         Each position samples exactly as decoding one token at a time would (same penalties
         history, same positional seed), so output is identical with and without drafts: greedy
@@ -286,18 +291,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
         tokens, token_lps = self.sampler(logits, sampling_rows,
                                          self.grammars.bitmask(slot_ids, drafts))
-        out_tokens, out_lps = [], []
+        out_tokens, out_lps, errors = [], [], {}
         pos = 0
         for slot, d in zip(slot_ids, drafts):
             accepted = 0
             while accepted < len(d) and tokens[pos + accepted] == d[accepted]:
                 accepted += 1
             out_tokens.append(tokens[pos:pos + accepted + 1])
-            self.grammars.accept(int(slot), out_tokens[-1])
+            if (error := self.grammars.accept(int(slot), out_tokens[-1])) is not None:
+                errors[int(slot)] = error
             lps = token_lps[pos:pos + accepted + 1]
             out_lps.append(None if lps[0] is None else lps)
             pos += len(d) + 1
-        return out_tokens, out_lps
+        return out_tokens, out_lps, errors
 
     def _prompt_logprobs(self, req_ids, idx, starts, q_lens, ctx, hidden
                          ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
@@ -356,6 +362,8 @@ class ModelRunner:
         """Level 1 frees the KV cache and moves weights to host memory (a no-op on CPU);
         level 2 discards the weights as well."""
         self.kv_caches = []
+        if self.connector is not None:   # its hold on the cache would keep the memory
+            self.connector.register_kv_caches([])
         self.gather_buffer = GatherBuffer()
         if level >= 2:
             self.model.unpack_weights()

@@ -10,6 +10,7 @@ import torch
 from treadle.config import TreadleConfig, num_blocks_from_budget
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import ParallelContext
+from treadle.structured_output.params import StructuredOutputsParams
 from treadle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,12 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def warm_grammar(self, params: StructuredOutputsParams) -> None:
+        """A request with this grammar has arrived: where this rank samples, compile it now, off
+        the step path (structured_output/compile_ahead.py). Never raises: nobody waits for it."""
+        if self.runner.grammars is not None:
+            self.runner.grammars.ahead.start(params)
 
     def pipeline_stats(self) -> dict[str, float]:
         """Sampled-token messages between pipeline stages so far, and the time spent waiting

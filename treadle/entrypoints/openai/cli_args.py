@@ -6,12 +6,39 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 from treadle.entrypoints.openai.tool_parsers import tool_parser_names
+
+# Bodies past this are refused (413) before they are read: parsing and tokenizing a prompt costs
+# about a second per MB, and a 1M-token context is only a few MB of text or JSON token ids.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 
 DESCRIPTION = ("Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                "/v1/chat/completions, ...) plus the RL controls (/pause, /resume, ...). "
                "With no MODEL, the embedded SmolLM2-135M-Instruct.")
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..65535, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {port}")
+    return port
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +46,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="HF folder or .gguf file (same as --model)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind [default: 127.0.0.1]")
-    g.add_argument("--port", type=int, default=8000, help="port to bind [default: 8000]")
+    g.add_argument("--port", type=port_number, default=8000,
+                   help="port to bind, 0..65535 (0: any free port) [default: 8000]")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use; the first is reported in responses "
                         "[default: MODEL as given, or SmolLM2-135M-Instruct]")
@@ -31,6 +59,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "[default: off; they log at DEBUG]")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="longest prompt (chars or token ids) shown in request logs [default: all]")
+    g.add_argument("--max-request-body-bytes", type=positive_int,
+                   default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                   help="refuse request bodies larger than this with HTTP 413, before reading them "
+                        f"[default: {DEFAULT_MAX_REQUEST_BODY_BYTES} (32 MiB)]")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT before "
                         "they are aborted [default: 10]")
@@ -46,15 +78,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="uvicorn's own log level (access log at info) [default: info]")
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound first: a port in use is an error in a second, not after the
+    engine has loaded. uvicorn listens on it (SO_REUSEADDR, as on a socket of its own)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"treadle serve: error: cannot listen on {host}:{port}: "
+                         f"{e.strerror or e}") from None
+    return sock
+
+
 def main(ns: argparse.Namespace) -> int:
     from treadle.entrypoints.cli import engine_args_from
-    from treadle.entrypoints.openai.server import run_server
 
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({', '.join(tool_parser_names())})")
+    sock = bind_socket(ns.host, ns.port)
+    from treadle.entrypoints.openai.server import run_server   # the web stack: seconds
     # A server's startup and request logs are its normal output, so they show without -v.
     logging.getLogger("treadle.entrypoints.openai").setLevel(logging.INFO)
-    return run_server(ns, engine_args_from(ns))
+    return run_server(ns, engine_args_from(ns), sock)

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from types import FrameType
 from typing import Annotated, Any, AsyncIterator, Literal
@@ -29,6 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import treadle
 from treadle.engine.async_llm import AsyncLLM
 from treadle.engine.errors import EngineBusyError, EngineDeadError
+from treadle.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from treadle.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from treadle.entrypoints.openai.errors import OpenAIError, error_response
 from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest,
@@ -67,10 +70,12 @@ class APIKeyMiddleware:
 def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
               api_key: str | None = None, max_log_len: int | None = None,
               log_requests: bool = False, tool_parser: ToolParser | None = None,
-              console: bool = True) -> FastAPI:
+              console: bool = True,
+              max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The app serving `engine`; it shuts the engine down when the app stops. `tool_parser`
     finds tool calls for tool_choice "auto" (None: "auto" is refused); `console`: the web
-    console at / (the status endpoint it polls is always there)."""
+    console at / (the status endpoint it polls is always there); a request body over
+    `max_body_bytes` is a 413."""
     serving = OpenAIServing(engine, model_names, max_log_len, log_requests)
     completions, chat = CompletionServing(serving), ChatServing(serving, tool_parser)
     created = int(time.time())
@@ -79,6 +84,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with history:
             yield
+        serving.close()
         engine.shutdown()
 
     app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
@@ -86,6 +92,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
     history = add_console(app, engine, serve_page=console)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)   # outermost: first
     _add_error_handlers(app)
 
     # -- OpenAI API --------------------------------------------------------------------------
@@ -111,9 +118,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
-            _, tokens = serving.encode_chat(body.messages, body.add_generation_prompt)
+            _, tokens = await serving.off_loop(serving.encode_chat, body.messages,
+                                               body.add_generation_prompt)
         else:
-            tokens = serving.encode(body.prompt, body.add_special_tokens)
+            tokens = await serving.off_loop(serving.encode, body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -124,7 +132,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
         if bad:
             raise OpenAIError(400, f"tokens contains {bad[0]}, outside the vocabulary [0, {vocab})",
                               "tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
@@ -264,7 +272,9 @@ class _Server(uvicorn.Server):
         self._phases = phases   # (start-up phase, process age at its end)
 
     async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)   # exits the process if the port cannot be bound
+        await super().startup(sockets)
+        host, port = sockets[0].getsockname()[:2]   # the port the OS chose, for --port 0
+        logger.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
         ready = process_age()
         parts, begin = [], 0.0
         for name, end in [*self._phases, ("HTTP server", ready)]:
@@ -313,8 +323,9 @@ def process_age() -> float:
         return time.time() - psutil.Process().create_time()
 
 
-def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    """Build the engine, then serve until SIGTERM/SIGINT; returns the exit code."""
+def run_server(ns: argparse.Namespace, engine_args: dict[str, Any], sock: socket.socket) -> int:
+    """Build the engine, then serve on `sock` (bound, not yet listening) until SIGTERM/SIGINT;
+    returns the exit code."""
     phases = [("imports", process_age())]
     # A GGUF is converted once per content, ~20 s; timed on its own, as it is ms afterwards.
     model_path = prepare_model(engine_args.get("model"))
@@ -326,8 +337,8 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     tool_parser = get_tool_parser(ns.tool_call_parser) if ns.enable_auto_tool_choice else None
     app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len,
                     log_requests=ns.enable_log_requests, tool_parser=tool_parser,
-                    console=not ns.no_console)
+                    console=not ns.no_console, max_body_bytes=ns.max_request_body_bytes)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
-    _Server(config, app, engine, ns.shutdown_timeout, phases).run()
+    _Server(config, app, engine, ns.shutdown_timeout, phases).run(sockets=[sock])
     return 0

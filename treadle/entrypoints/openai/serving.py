@@ -3,10 +3,13 @@ on the engine (streamed or not), usage, and request logging."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import jinja2
 from pydantic import BaseModel
@@ -25,12 +28,17 @@ from treadle.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # Request fields that map one to one onto SamplingParams when the client sets them.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
                     "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
 # OpenAI's default; vLLM would take the model's generation config instead.
 _DEFAULT_TEMPERATURE = 1.0
+# Tokenizer threads: the tokenizer lets go of the GIL while it encodes, so a few long prompts
+# tokenize side by side, and short ones are not queued behind a long one.
+_TOKENIZER_THREADS = 4
 
 
 @dataclass
@@ -80,6 +88,8 @@ class OpenAIServing:
         # they show at INFO only with --enable-log-requests.
         self.request_log_level = logging.INFO if log_requests else logging.DEBUG
         self.shutting_down = False
+        self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS,
+                                                  thread_name_prefix="treadle-tokenizer")
 
     @property
     def model_name(self) -> str:
@@ -101,6 +111,15 @@ class OpenAIServing:
             raise OpenAIError(400, "logit_bias is not supported", "logit_bias")
 
     # -- tokenizing --------------------------------------------------------------------------
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on a tokenizer thread. Rendering and tokenizing a prompt take about a
+        second per MB of text; on the event loop that would stall /health and every stream."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:
             raise OpenAIError(400, "prompt must not be empty", "prompt")
@@ -147,10 +166,11 @@ class OpenAIServing:
             raise OpenAIError(400, str(e)) from None
 
     def validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
-        """Token ids in the vocabulary, the prompt under max_model_len, logprobs in range."""
+        """The prompt and max_tokens within max_model_len, logprobs in range, token ids in the
+        vocabulary (checked last: a prompt far too long is refused without a pass over it)."""
         try:
-            self.engine.input_processor.tokenize(prompt_ids)
             self.engine.input_processor.validate_params(params, len(prompt_ids))
+            self.engine.input_processor.tokenize(prompt_ids)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
 

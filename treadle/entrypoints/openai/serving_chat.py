@@ -44,7 +44,8 @@ class ChatServing:
                                   "tool_choice")
             overrides["structured_outputs"] = constraint
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        text, ids = serving.encode_chat(req.messages, req.add_generation_prompt, tools)
+        text, ids = await serving.off_loop(serving.encode_chat, req.messages,
+                                           req.add_generation_prompt, tools)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = serving.sampling_params(

@@ -36,7 +36,7 @@ class CompletionServing:
             raise OpenAIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(400, "best_of is not supported (it must equal n)", "best_of")
-        prompts = self._prompts(req)
+        prompts = await serving.off_loop(self._prompts, req)
         # Echo with max_tokens 0 scores the prompt only; the engine still makes one token.
         prompt_only = req.echo and req.max_tokens == 0
         params = serving.sampling_params(

@@ -93,7 +93,7 @@ inline void row_offsets(const int32_t* table, int64_t t0, int64_t t1, int64_t bl
 // The K rows of a thread's next item, asked for into L2 a few lines at a time while the
 // current item runs its V pass, so that the next score pass reads them from L2 rather than
 // waiting on memory with the arithmetic idle. Decode attention alone, 64 sequences: 7%
-// faster on tiles, 5% in the bf16 vector kernel, 2-4% in fp32 (docs/benchmarks.md). A
+// faster on tiles, 5% in the bf16 vector kernel, 2-4% in fp32 (docs/performance-log.md). A
 // prefetch never faults, so a wrong address would cost time, not correctness.
 class KAhead {
  public:
@@ -113,7 +113,7 @@ class KAhead {
 
   // The next per_step_ lines, walked by row and line. A division per line took about half of
   // the V pass's samples with the caches in L3 (the kernel 12% faster without; level from
-  // memory, docs/benchmarks.md).
+  // memory, docs/performance-log.md).
   void step() {
     const int64_t rows = static_cast<int64_t>(offs_.size());
     int64_t row = row_, line = line_;

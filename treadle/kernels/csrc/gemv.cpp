@@ -177,12 +177,12 @@ inline void columns_avx512(const float* xf, int64_t k, const Rows& w, int64_t co
 
 // Streams per thread at R rows of x: as many as R * S <= 16 accumulators allow, at most 8. At
 // batch 1 on a Xeon, 8 streams against 2 took a decode step from 13.9 to 11.6 ms in bf16 and
-// 22.0 to 19.7 in fp32; 12 were no faster (docs/benchmarks.md).
+// 22.0 to 19.7 in fp32; 12 were no faster (docs/performance-log.md).
 template <int R>
 constexpr int kStreams = R <= 2 ? 8 : (R <= 4 ? 4 : 2);
 
 // Streams per thread over GGUF blocks, whose decoding costs more registers: 8 streams at 2
-// rows of x took 8.9 ms for SmolLM2's layers where 4 took 5.4 (docs/benchmarks.md).
+// rows of x took 8.9 ms for SmolLM2's layers where 4 took 5.4 (docs/performance-log.md).
 template <int R>
 constexpr int kBlockStreams = R == 1 ? 8 : (R <= 4 ? 4 : 2);
 

@@ -7,7 +7,7 @@
 // d q is exact in fp32 (11 bits of d times at most 8 of q), so each weight is the one gguf's
 // own dequantizer (gguf.quants) computes, rounded once where m is added: the kernel multiplies
 // by exactly the dequantized weights, and computes the model transformers loads from the file.
-// (Q4_K and Q6_K read this way ran no faster than fp32 at one row; docs/benchmarks.md.)
+// (Q4_K and Q6_K read this way ran no faster than fp32 at one row; docs/performance-log.md.)
 #pragma once
 
 #include <c10/util/Half.h>
@@ -86,7 +86,7 @@ struct Rows {
 
  private:
   // The fp16 at p in every lane, widened by the vector conversion: with a scalar _cvtsh_ss
-  // per block the Q4_1 kernel ran 2.3x slower here (docs/benchmarks.md).
+  // per block the Q4_1 kernel ran 2.3x slower here (docs/performance-log.md).
   static __m512 half16(const uint8_t* p) {
     short bits;
     std::memcpy(&bits, p, sizeof(bits));

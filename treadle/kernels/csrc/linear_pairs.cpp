@@ -2,7 +2,7 @@
 // x[M, K] @ w[N, K]^T + bias, from one row to a few hundred (models/linear.py's PAIR_ROWS).
 //
 // There oneDNN's bf16 GEMM ran SmolLM2's linears well below the CPU's bf16 rate, and at a few
-// rows it read the weights at a fraction of the memory's speed (docs/benchmarks.md, "Lever:
+// rows it read the weights at a fraction of the memory's speed (docs/performance-log.md, "Lever:
 // bf16 linear layers from pairs"). VDPBF16PS multiplies two bf16 pairs exactly and adds both
 // products to an fp32 lane, 32 multiply-adds per instruction where fp32 takes 16.
 //

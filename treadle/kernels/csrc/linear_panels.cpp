@@ -4,7 +4,7 @@
 // There oneDNN's packed fp32 GEMM ran at 0.10-0.27 TFLOP/s on SmolLM2's shapes (8-48 rows),
 // against about 0.4 for large GEMMs on the same cores: a decode step of 48 sequences spent
 // 1.4-1.7 ms per layer in its linears. This kernel keeps up to 12 rows' outputs for 32 outputs
-// in 24 registers while the weight goes by once, which takes 0.9-1.2 ms (docs/benchmarks.md).
+// in 24 registers while the weight goes by once, which takes 0.9-1.2 ms (docs/performance-log.md).
 //
 // The weight is packed once (pack_linear_panels) as panels of 32 outputs: panel p holds, for
 // each input k, w[32p .. 32p + 31][k] side by side, so one step of k reads two vectors. Each

@@ -7,7 +7,7 @@
 // here against oneDNN's 1.1-2.2 at 288-1,024 rows (it leads again from about 2,048;
 // models/linear.py's TILE_ROWS). Each thread takes a range of output-block pairs (two weight
 // streams), in groups that stay in L2 while every two 16-row blocks of x go by, so each
-// weight is read from memory once and y is written in whole lines (docs/benchmarks.md).
+// weight is read from memory once and y is written in whole lines (docs/performance-log.md).
 //
 // The weight is packed once (pack_linear_tiles) as the B tiles of the product: for each block
 // of 16 outputs and each 32 inputs, a 1 KB tile whose row r holds, for each output n, the

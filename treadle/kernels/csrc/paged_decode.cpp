@@ -11,7 +11,7 @@
 // head's queries in registers; bf16 from pairs where the CPU has AVX512-BF16) and sums their
 // products in one tree of shuffles, and the third keeps each head's accumulator in registers
 // while the tokens go by. At head_dim 64 the per-token reductions, not the bytes,
-// bounded the plain loops (docs/benchmarks.md); they stay for other CPUs and head sizes.
+// bounded the plain loops (docs/performance-log.md); they stay for other CPUs and head sizes.
 // In bf16 on a CPU with AMX tiles, paged_decode_amx.cpp takes the call (decode_tiles_ready).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -286,7 +286,7 @@ void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, flo
       rows[j] = it.row(c.k, t0 + j, 0, bytes);
       // In 16-bit caches, the tile's V rows are asked for into L2 now: the V pass then finds
       // them there, and memory serves two streams during the score pass where it served one
-      // (64 sequences of 640 tokens, Zen 5: 7% faster; fp32 level to slower, docs/benchmarks.md).
+      // (64 sequences of 640 tokens, Zen 5: 7% faster; fp32 level to slower, docs/performance-log.md).
       if constexpr (sizeof(scalar_t) == 2) {
         const char* v_row = reinterpret_cast<const char*>(it.at(c.v, t0 + j, 0));
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(v_row + b, 0, 2);

@@ -52,7 +52,7 @@ struct Step {
 // max and the sum kept for merging parts. The p are computed during the item's first V pass,
 // pair by pair as that pass uses them, not in a pass of their own between the scores and V,
 // where no K or V streamed from memory while the arithmetic ran: decode attention alone 5%
-// faster (docs/benchmarks.md).
+// faster (docs/performance-log.md).
 struct Softmax {
   const float* scores = nullptr;   // [token][lane], unscaled
   int64_t len = 0;

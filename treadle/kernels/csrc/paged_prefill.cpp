@@ -42,7 +42,7 @@ namespace {
 constexpr int64_t kLanes = 16;
 // Keys per tile, and how many of them one pass of the QK micro-kernel keeps in registers. With
 // AVX-512's 32 registers all 16, so each q vector load serves 16 multiply-adds (4 prompts of
-// 512, fp32: 1.16x over 8; 32-key tiles or 96-query items were slower, docs/benchmarks.md).
+// 512, fp32: 1.16x over 8; 32-key tiles or 96-query items were slower, docs/performance-log.md).
 // AVX2 has 16 registers, half as wide.
 constexpr int64_t kKeys = 16;
 #ifdef __AVX512F__

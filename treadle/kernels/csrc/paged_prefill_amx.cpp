@@ -3,7 +3,7 @@
 // work items (a tile of query rows of one span times the query heads of one KV head), but the
 // products run as tile multiplies (TDPBF16PS: a 16 x 32 bf16 tile times a 32 x 16 one into a
 // 16 x 16 fp32 tile, each product exact, summed in fp32): 2.9-3.6x faster than the vector
-// kernel's bf16 path on a Xeon with AMX (docs/benchmarks.md). TREADLE_AMX=0 turns it off.
+// kernel's bf16 path on a Xeon with AMX (docs/performance-log.md). TREADLE_AMX=0 turns it off.
 //
 // Per item, keys go by in chunks of up to kChunk:
 // - scores, keys x queries: A = 16 keys of K, read where they lie in the cache (a whole
@@ -15,7 +15,7 @@
 //   so key pairs come as a bf16 product wants them; B = P as [key pair][query], the softmax's
 //   two rows of a pair interleaved, stored as they come. Each thread builds V^T once for a
 //   run of items of one span and KV head; out is transposed back once per item. (P as the A side would need a transpose of P per item and chunk, and V packed per
-//   item and chunk: 7-8% more time at 512 tokens, docs/benchmarks.md.)
+//   item and chunk: 7-8% more time at 512 tokens, docs/performance-log.md.)
 // Keys past the span's end (stale slots of its last block, possibly NaN) get p = 0 by a select
 // and are zeros in V^T.
 #include <ATen/ATen.h>

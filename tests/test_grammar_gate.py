@@ -15,8 +15,9 @@ import pytest
 from treadle import SamplingParams
 from treadle.models.loader import load_hf_config, prepare_model
 from treadle.request import Request
-from treadle.structured_output.backend import GrammarBackend, get_backend
+from treadle.structured_output.backend import GrammarBackend
 from treadle.structured_output.gate import GrammarGate
+from treadle.structured_output.registry import get_backend
 
 GATE_LOG = "treadle.structured_output.gate"
 

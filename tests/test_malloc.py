@@ -116,13 +116,10 @@ def _wave_faults(engine: str, extra_env: dict[str, str]) -> list[int]:
 @pytest.mark.parametrize("engine", ["AsyncLLM", "async_scheduling"])
 def test_a_step_on_another_thread_takes_no_page_faults(engine):
     """The engine thread and the async worker thread allocate from the main arena: after the
-    first wave, a wave takes almost no page faults. With the thresholds alone (set through
-    GLIBC_TUNABLES, which keep_freed_memory then leaves alone) the engine thread has an arena of
-    its own, whose heaps are unmapped and faulted in again in later waves: in most of them (on
-    the AMX Xeon one wave in three took 5 faults, [9223, 5, 138270], so the control asks for one)."""
+    first wave, which grows the heap (so the probe is seen to count that thread's faults), a
+    wave takes almost no page faults. The control once run here, the thresholds alone through
+    GLIBC_TUNABLES, gave the engine thread an arena of its own whose heaps were faulted in again
+    in every wave on the Zen 5 (73,744-86,030 a wave), but not on the AMX Xeon ([6198, 1, 1, 1]
+    on Nov 28): a machine's fact, not treadle's, so it is no longer asserted."""
     waves = _wave_faults(engine, {})
-    assert min(waves[1:]) < 1_000, waves
-    if engine == "AsyncLLM":
-        thresholds = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=536870912"
-        waves = _wave_faults(engine, {"GLIBC_TUNABLES": thresholds})
-        assert max(waves[1:]) > 10_000, waves
+    assert waves[0] > 1_000 and min(waves[1:]) < 1_000, waves

@@ -24,7 +24,7 @@ import xgrammar as xgr
 from treadle import LLM, SamplingParams, StructuredOutputsParams
 from treadle.models.loader import load_tokenizer, prepare_model
 from treadle.request import Request
-from treadle.structured_output.backend import get_backend
+from treadle.structured_output.registry import get_backend
 
 from tests.test_grammar_gate import GATE_LOG, slow_schema
 

@@ -25,8 +25,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.test_scheduler import BS, EOS, make_request, make_scheduler
-from treadle.core.scheduler import EngineCoreOutput, Scheduler
-from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.core.scheduler import Scheduler
+from treadle.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from treadle.kv_transfer import KVConnectorOutput
 from treadle.request import Request, RequestStatus
 from treadle.sampling_params import SamplingParams

@@ -113,7 +113,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str) -> "KVTransferConfig":
-        from treadle.kv_transfer.factory import connector_class
+        from treadle.kv_transfer.registry import connector_class
 
         spec = _json_fields("kv_transfer_config", spec, cls)
         if "kv_connector" not in spec:
@@ -149,7 +149,7 @@ class StructuredOutputsConfig:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str) -> "StructuredOutputsConfig":
-        from treadle.structured_output.backend import backend_class
+        from treadle.structured_output.registry import backend_class
 
         config = cls(**_json_fields("structured_outputs_config", spec, cls))
         backend_class(config.backend)   # an unknown name: ValueError

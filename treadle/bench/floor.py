@@ -74,7 +74,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 def main(ns: argparse.Namespace) -> int:
     from treadle import LLM, SamplingParams
-    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.engine_cli_args import engine_args_from
 
     check_at_least(ns, input_len=1, output_len=2, num_iters=1, copy_mib=64)
     engine_args = engine_args_from(ns)

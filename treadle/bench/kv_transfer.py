@@ -37,7 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     from treadle import LLM, SamplingParams
-    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.engine_cli_args import engine_args_from
 
     check_at_least(ns, prefix_len=1, suffix_len=1, num_requests=1)
     engine_args = engine_args_from(ns) | {"enable_prefix_caching": False}

@@ -42,7 +42,7 @@ def summarize(latencies: list[float]) -> dict[str, float]:
 
 def main(ns: argparse.Namespace) -> int:
     from treadle import LLM, SamplingParams
-    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.engine_cli_args import engine_args_from
 
     check_at_least(ns, input_len=1, output_len=1, batch_size=1, num_iters=1, num_iters_warmup=0)
     engine_args = engine_args_from(ns)

@@ -130,7 +130,7 @@ def prefill(engine_args: dict[str, Any], ns: argparse.Namespace) -> dict[str, An
 
 
 def main(ns: argparse.Namespace) -> int:
-    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.engine_cli_args import engine_args_from
 
     check_at_least(ns, prompt_len=1, num_prompts=1, decode_batch=1, decode_tokens=1, rpc_calls=1,
                    pp=2)

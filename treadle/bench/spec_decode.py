@@ -105,7 +105,7 @@ def _timed(llm: Any, prompts: list[list[int]], output_len: int,
 
 def main(ns: argparse.Namespace) -> int:
     from treadle import LLM
-    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.engine_cli_args import engine_args_from
 
     engine_args = engine_args_from(ns) | {"max_num_seqs": ns.batch_size}
     spec = {"method": "ngram", "num_speculative_tokens": ns.num_speculative_tokens,

@@ -52,7 +52,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def compile_times(llm: Any) -> dict[str, float]:
     """Seconds to set a backend up (read the vocabulary), then to compile MEDIUM_SCHEMA cold
     and again from the cache."""
-    from treadle.structured_output.backend import backend_class
+    from treadle.structured_output.registry import backend_class
     from treadle.structured_output.params import StructuredOutputsParams
 
     config = llm.engine.config
@@ -71,7 +71,7 @@ def compile_times(llm: Any) -> dict[str, float]:
 
 def main(ns: argparse.Namespace) -> int:
     from treadle import LLM, SamplingParams
-    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.engine_cli_args import engine_args_from
 
     check_at_least(ns, input_len=1, output_len=1, num_iters=1)
     try:

@@ -278,7 +278,7 @@ def _warmup_workload(tokenizer: Any, seed: int) -> Workload:
 
 def main(ns: argparse.Namespace) -> int:
     from treadle import LLM
-    from treadle.entrypoints.cli import engine_args_from
+    from treadle.entrypoints.engine_cli_args import engine_args_from
 
     if ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")

@@ -4,15 +4,32 @@ its first chunk. A step of `Scheduler.schedule`, kept in a file of its own for i
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from treadle.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from treadle.core.scheduler import Scheduler
+    from treadle.config import SchedulerConfig
+    from treadle.core.kv_cache_manager import KVCacheManager
+    from treadle.core.waiting_queue import WaitingQueue
+    from treadle.kv_transfer.base import KVConnectorBase
 
 
-def admit(scheduler: Scheduler, request: Request, budget: int, num_scheduled: dict[str, int],
+class AdmittingScheduler(Protocol):
+    """What admission reads and changes of the scheduler."""
+
+    config: SchedulerConfig
+    connector: KVConnectorBase | None
+    kv_cache: KVCacheManager
+    block_size: int
+    waiting: WaitingQueue
+    running: list[Request]
+    loaded: list[Request]
+    loading: dict[str, tuple[int, list[int], int]]
+    waiting_for_connector: bool
+
+
+def admit(scheduler: AdmittingScheduler, request: Request, budget: int, num_scheduled: dict[str, int],
           kv_loads: dict, async_loads: dict) -> int | None:
     """Start the next waiting request: give it its first chunk, after a prefix-cache hit
     and whatever KV a connector loads for it. With an asynchronous load it takes the blocks

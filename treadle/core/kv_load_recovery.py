@@ -29,18 +29,36 @@ into its blocks keeps them until the load is done.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from treadle.core.scheduler_output import EngineCoreOutput
 from treadle.request import RequestStatus
 
 if TYPE_CHECKING:
-    from treadle.core.scheduler import EngineCoreOutput, Scheduler
+    from treadle.core.kv_cache_manager import KVCacheManager
     from treadle.request import Request
 
 logger = logging.getLogger(__name__)
 
 
-def settle_kv_loads(scheduler: Scheduler, loads: dict[str, tuple[int, list[int], int]],
+class LoadingScheduler(Protocol):
+    """What settling loads reads and changes of the scheduler."""
+
+    requests: dict[str, Request]
+    kv_cache: KVCacheManager
+    kv_load_failure_policy: str
+    block_size: int
+    loading: dict[str, tuple[int, list[int], int]]
+    loaded: list[Request]
+    free_after_load: dict[str, tuple[Request, bool]]
+    sending: dict[str, Request]
+
+    def preempt(self, request: Request) -> None: ...
+
+    def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None: ...
+
+
+def settle_kv_loads(scheduler: LoadingScheduler, loads: dict[str, tuple[int, list[int], int]],
                     invalid_block_ids: set[int]) -> list[EngineCoreOutput]:
     """Settles a returned step's synchronous loads; returns the final outputs of requests it
     ended."""
@@ -66,7 +84,7 @@ def settle_kv_loads(scheduler: Scheduler, loads: dict[str, tuple[int, list[int],
     return ended
 
 
-def settle_async_load(scheduler: Scheduler, rid: str, invalid_block_ids: set[int]
+def settle_async_load(scheduler: LoadingScheduler, rid: str, invalid_block_ids: set[int]
                       ) -> list[EngineCoreOutput]:
     """An asynchronous load reported done: the request goes back to the waiting queue with the
     tokens it really has, or ends (policy "fail"); returns its final output if it ended."""
@@ -101,7 +119,7 @@ def _first_bad(first: int, block_ids: list[int], invalid_block_ids: set[int]) ->
     return next((first + i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
 
 
-def _failure(scheduler: Scheduler, request: Request, first: int, first_bad: int) -> str:
+def _failure(scheduler: LoadingScheduler, request: Request, first: int, first_bad: int) -> str:
     """Marks the request (it is not offered external KV again) and logs; returns the message."""
     request.kv_load_failed = True
     message = (f"request {request.request_id}: KV block {first_bad} (of the blocks loaded "
@@ -113,9 +131,8 @@ def _failure(scheduler: Scheduler, request: Request, first: int, first_bad: int)
     return message
 
 
-def _end_with_error(scheduler: Scheduler, request: Request, message: str) -> EngineCoreOutput:
-    from treadle.core.scheduler import EngineCoreOutput
-
+def _end_with_error(scheduler: LoadingScheduler, request: Request, message: str
+                    ) -> EngineCoreOutput:
     scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
     return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                             finish_reason="error", stop_reason=message)

@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import logging
 import random
-from dataclasses import dataclass
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
@@ -27,26 +26,11 @@ from treadle.core.kv_load_recovery import settle_async_load, settle_kv_loads
 from treadle.core.waiting_queue import WaitingQueue
 from treadle.core.stats import SchedulerStats, SpecDecodingStats
 from treadle.core.scheduler_output import (
-    CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs)
+    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from treadle.kv_transfer.base import KVConnectorBase
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-    new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
-    num_cached_tokens: int = 0
-    queue_time: float | None = None   # arrival to first schedule, seconds
-    kv_transfer_params: dict | None = None   # from the KV connector, on the final output
 
 
 class Scheduler:

@@ -1,4 +1,5 @@
-"""Messages between the scheduler and the workers, one pair per step."""
+"""Messages between the scheduler and the workers, one pair per step, and what a step hands
+the engine for each request."""
 
 from __future__ import annotations
 
@@ -93,3 +94,18 @@ class ModelRunnerOutput:
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
         return cls(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    num_cached_tokens: int = 0
+    queue_time: float | None = None   # arrival to first schedule, seconds
+    kv_transfer_params: dict | None = None   # from the KV connector, on the final output

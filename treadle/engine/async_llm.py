@@ -17,7 +17,7 @@ from typing import Any, AsyncGenerator, Callable, Iterable
 import torch
 
 from treadle.config import EngineArgs
-from treadle.core.scheduler import EngineCoreOutput
+from treadle.core.scheduler_output import EngineCoreOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.core import PAUSE_MODES, EngineCore, PauseMode
 from treadle.engine.core_thread import EngineCoreThread

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 
 from treadle.config import TreadleConfig, max_steps_in_flight
-from treadle.core.scheduler import EngineCoreOutput, Scheduler
-from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.core.scheduler import Scheduler
+from treadle.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
 from treadle.engine.weights import ServedWeights
@@ -27,8 +27,8 @@ from treadle.executor import create_executor
 from treadle.executor.mp import WorkerFailedError
 from treadle.kv_transfer import KVConnectorRole, create_connector
 from treadle.request import Request, RequestStatus
-from treadle.structured_output.backend import get_backend
 from treadle.structured_output.gate import GrammarGate
+from treadle.structured_output.registry import get_backend
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from treadle.core.scheduler import EngineCoreOutput
+from treadle.core.scheduler_output import EngineCoreOutput
 from treadle.engine.core import EngineCore
 from treadle.engine.errors import EngineDeadError
 

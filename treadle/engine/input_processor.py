@@ -8,7 +8,7 @@ from treadle.config import TreadleConfig
 from treadle.models.loader import default_eos_token_id
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
-from treadle.structured_output.backend import backend_class
+from treadle.structured_output.registry import backend_class
 
 PromptType = Union[str, list[int], dict[str, Any]]
 

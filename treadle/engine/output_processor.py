@@ -6,8 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.core.scheduler import EngineCoreOutput
-from treadle.core.scheduler_output import TokenLogprobs
+from treadle.core.scheduler_output import EngineCoreOutput, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer
 from treadle.metrics import RequestMetrics
 from treadle.outputs import CompletionOutput, Logprob, RequestOutput

@@ -17,18 +17,35 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol
 
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.executor import create_executor
 
 if TYPE_CHECKING:
-    from treadle.engine.core import EngineCore
+    from treadle.config import TreadleConfig
+    from treadle.core.scheduler import Scheduler
+    from treadle.engine.weights import ServedWeights
+    from treadle.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
 
-def restart_refusal(core: "EngineCore") -> str | None:
+class RestartingCore(Protocol):
+    """What a restart reads and changes of the engine core."""
+
+    config: TreadleConfig
+    scheduler: Scheduler
+    executor: Any
+    connector: KVConnectorBase | None
+    batch_queue: deque[tuple[Any, SchedulerOutput]]
+    asleep: set[str]
+    weights: ServedWeights
+    num_worker_restarts: int
+
+
+def restart_refusal(core: RestartingCore) -> str | None:
     """None if the worker group may be replaced now; else what to add to the failure's message
     (nothing when restarts are off)."""
     allowed = core.config.parallel.max_worker_restarts
@@ -47,7 +64,7 @@ def restart_refusal(core: "EngineCore") -> str | None:
     return f"; the workers were not restarted: {why}"
 
 
-def restart_workers(core: "EngineCore", reason: str) -> None:
+def restart_workers(core: RestartingCore, reason: str) -> None:
     core.num_worker_restarts += 1
     scheduler = core.scheduler
     lost = [sched_out for _, sched_out in core.batch_queue]

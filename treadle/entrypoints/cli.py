@@ -7,66 +7,9 @@ import logging
 import os
 import shutil
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
-from treadle.config import EngineArgs
-
-_ENGINE_HELP = {
-    "dtype": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)",
-    "quantization": "int8: weight-only int8; gguf: a .gguf model's own Q4_0/Q4_1/Q8_0 blocks "
-                    "(both for batch-1 latency; CPU, float32; opt-in)",
-    "max_model_len": "longest prompt + output, in tokens (default: the model's own limit, lowered "
-                     "to what the KV cache holds; past the model's limit only with "
-                     "TREADLE_ALLOW_LONG_MAX_MODEL_LEN=1)",
-    "block_size": "tokens per KV-cache block (default: 128 on CPU, as vLLM-CPU; 16 on GPU)",
-    "num_kv_blocks": "number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "KV-cache budget in bytes (default: sized to this machine)",
-    "max_num_seqs": "most requests in one step",
-    "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
-    "scheduling_policy": "fcfs | priority",
-    "seed": "engine seed for requests that bring none",
-    "device": "cpu | cuda (default: cuda when available)",
-    "pipeline_parallel_size": "pipeline stages (worker processes split the layers)",
-    "tensor_parallel_size": "tensor-parallel ranks per stage (they split the heads)",
-    "distributed_executor_backend": "uni | mp (default: uni with one worker, else mp)",
-    "master_port": "torch.distributed rendezvous port for mp workers (default: a free one)",
-    "max_worker_restarts": "times a failed worker group is replaced, its requests resumed",
-}
-
-
-def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
-    group = parser.add_argument_group("engine")
-    if with_model:
-        group.add_argument("--model", default=None,
-                           help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    defaults = EngineArgs()
-    for name, text in _ENGINE_HELP.items():
-        default = getattr(defaults, name)
-        kind = (str if name in ("dtype", "quantization", "scheduling_policy", "device",
-                                "distributed_executor_backend") else int)
-        group.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
-                           help=f"{text} [default: {default}]")
-    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", help="turn prefix caching off")
-    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                       action="store_false", help="turn chunked prefill off")
-    group.add_argument("--async-scheduling", action="store_true",
-                       help="schedule the next step while the current one runs")
-    group.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help='speculative decoding, e.g. \'{"method": "ngram", '
-                            '"num_speculative_tokens": 3}\'')
-    group.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                       help='a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
-                            '"kv_role": "kv_both", "kv_connector_extra_config": '
-                            '{"shared_storage_path": "/tmp/kv"}}\'')
-    group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                       help='the grammar engine for structured outputs: \'{"backend": '
-                            '"xgrammar"}\' (default) or "guidance"')
-
-
-def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
-    names = EngineArgs.field_names()
-    return {k: v for k, v in vars(ns).items() if k in names}
+from treadle.entrypoints.engine_cli_args import add_engine_args, engine_args_from
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +136,22 @@ def cmd_cache(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from treadle.entrypoints.openai.cli_args import bind_socket
+    from treadle.entrypoints.openai.tool_parsers import tool_parser_names
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"({', '.join(tool_parser_names())})")
+    sock = bind_socket(ns.host, ns.port)
+    from treadle.entrypoints.openai.server import run_server   # the web stack: seconds
+    # A server's startup and request logs are its normal output, so they show without -v.
+    logging.getLogger("treadle.entrypoints.openai").setLevel(logging.INFO)
+    return run_server(ns, engine_args_from(ns), sock)
+
+
 def cmd_disagg_proxy(ns: argparse.Namespace) -> int:
     from treadle.entrypoints import disagg_proxy   # the web stack, only when it runs
 
@@ -236,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description=serve_args.DESCRIPTION)
     serve_args.add_cli_args(serve)
     add_engine_args(serve)
-    serve.set_defaults(func=serve_args.main)
+    serve.set_defaults(func=cmd_serve)
 
     proxy = sub.add_parser(
         "disagg-proxy", help="prefill/decode disaggregation proxy",

@@ -17,8 +17,9 @@ import torch
 
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import NewRequestData
-from treadle.structured_output.backend import GrammarBackend, Matcher, get_backend
+from treadle.structured_output.backend import GrammarBackend, Matcher
 from treadle.structured_output.compile_ahead import CompileAhead
+from treadle.structured_output.registry import get_backend
 from treadle.worker.request_state import RequestSlots
 
 logger = logging.getLogger(__name__)

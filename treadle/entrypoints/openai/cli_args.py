@@ -4,7 +4,6 @@ FastAPI and uvicorn."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 
@@ -91,17 +90,3 @@ def bind_socket(host: str, port: int) -> socket.socket:
                          f"{e.strerror or e}") from None
     return sock
 
-
-def main(ns: argparse.Namespace) -> int:
-    from treadle.entrypoints.cli import engine_args_from
-
-    if ns.model_tag is not None:
-        ns.model = ns.model_tag
-    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser "
-                         f"({', '.join(tool_parser_names())})")
-    sock = bind_socket(ns.host, ns.port)
-    from treadle.entrypoints.openai.server import run_server   # the web stack: seconds
-    # A server's startup and request logs are its normal output, so they show without -v.
-    logging.getLogger("treadle.entrypoints.openai").setLevel(logging.INFO)
-    return run_server(ns, engine_args_from(ns), sock)

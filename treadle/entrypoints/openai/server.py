@@ -39,7 +39,8 @@ from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.console import add_console, is_public
 from treadle.entrypoints.openai.serving_chat import ChatServing
-from treadle.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from treadle.entrypoints.openai.tool_parsers import get_tool_parser
+from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.serving_completion import CompletionServing
 from treadle.models.loader import prepare_model
 

@@ -17,7 +17,7 @@ from treadle.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
                                                   DeltaMessage)
 from treadle.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, clamp_logprob, usage
 from treadle.entrypoints.openai.streams import PromptStreams
-from treadle.entrypoints.openai.tool_parsers import ToolParser
+from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_constraint
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind

@@ -17,7 +17,7 @@ from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaFunctionCall,
                                                   DeltaToolCall, FunctionCall, NamedToolChoice,
                                                   ToolCall)
-from treadle.entrypoints.openai.tool_parsers import ParsedCall, ToolCallStream, ToolParser
+from treadle.entrypoints.openai.tool_parsers.base import ParsedCall, ToolCallStream, ToolParser
 
 _ANY_OBJECT = {"type": "object"}
 

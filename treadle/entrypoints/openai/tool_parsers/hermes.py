@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from treadle.entrypoints.openai.tool_parsers import (ParsedCall, ToolCallStream, ToolParser,
-                                                      register_tool_parser)
+from treadle.entrypoints.openai.tool_parsers.base import ParsedCall, ToolCallStream, ToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)
@@ -30,7 +29,6 @@ def _call(body: str) -> ParsedCall | None:
     return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-@register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         calls, content, last = [], [], 0

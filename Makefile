@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser run test bench bench-peers clean
+.PHONY: install browser terminal run test bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,15 @@ browser:
 		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; }; \
 	fi
 
-test: install browser
+# The chat tests drive `treadle chat` in a real terminal: Debian's tmux.
+terminal:
+	@if [ ! -x /usr/bin/tmux ]; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -q tmux \
+		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q tmux; }; \
+	fi
+
+test: install browser terminal
 	$(BIN)/python -m pytest -q
 
 bench: install

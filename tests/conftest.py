@@ -12,7 +12,7 @@ from hypothesis import settings
 
 from tests.reference import HFReference
 from tests.tiny_models import make_tiny_checkpoint
-from treadle.models.loader import default_model_path
+from treadle.models.loader import default_model_path, iter_hf_weights
 
 # Property tests: "ci" by default; `pytest --hypothesis-profile=long` for the deep run.
 settings.register_profile("ci", max_examples=500, deadline=None)
@@ -77,6 +77,18 @@ def smollm2_path() -> str:
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_checkpoint(arch, root / arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_checkpoints) -> str:
+    """The tiny Llama's folder (1024 positions); no test writes to it."""
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="module")
+def original_weights(llama) -> dict[str, torch.Tensor]:
+    """The tiny Llama's weights by transformers name, a fresh copy for each module."""
+    return dict(iter_hf_weights(llama))
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,14 +6,11 @@ import json
 
 import gguf
 import pytest
-import torch
 import transformers
 
 from treadle.entrypoints.cli import main
-from treadle.kernels.cpu import cpu_kernels_available
 
-needs_native = pytest.mark.skipif(not cpu_kernels_available(torch.device("cpu")),
-                                  reason="the C++ kernels did not build here")
+from tests.kernel_support import needs_kernels
 
 
 def test_bench_latency_compares_sync_and_async(tiny_checkpoints, tmp_path, capsys):
@@ -94,7 +91,7 @@ def test_bench_floor_counts_int8_weights_as_their_int8_copies(tiny_checkpoints, 
     assert json.loads(out.read_text())["weight_bytes_per_step"] == expected
 
 
-@needs_native
+@needs_kernels
 def test_bench_floor_counts_gguf_weights_as_the_files_blocks(smollm2_path, tmp_path):
     out = tmp_path / "floor.json"
     assert main(["bench", "floor", "--model", smollm2_path, "--quantization", "gguf", "--input-len", "4",

@@ -134,4 +134,5 @@ def test_decode_chunks_match_transformers(tiny_checkpoints, reference, arch, bud
     path = tiny_checkpoints[arch]
     llm = LLM(path, block_size=16)
     assert not llm.engine.core.executor.worker.runner.native_kernels
+    assert llm.engine.core.executor.worker.runner.attention.name == "torch"
     assert_matches_reference(llm, reference(path), prompt_ids(llm), max_tokens=40)

@@ -12,15 +12,17 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
+from tests.kernel_support import CPU, HAS_AMX, needs_kernels
 from treadle import LLM, SamplingParams
-from treadle.attention.torch_backend import DECODE_CHUNK_TOKENS, GatherBuffer, TorchAttention, build_metadata
+from treadle.attention.backend import PagedAttention
+from treadle.attention.cpu_backend import CpuKernelBackend
+from treadle.attention.torch_backend import DECODE_CHUNK_TOKENS, GatherBuffer, TorchBackend
 from treadle.kernels import cpu
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
 from treadle.models.llama import RMSNorm
 from treadle.models.rope import apply_rope
 
-CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not linear.packing_supported(CPU), reason="no oneDNN in this torch")
 
 
@@ -106,7 +108,7 @@ def _decode_metadata(seq_lens: list[int], block_size: int = 16):
     q_lens = np.ones(len(seq_lens), dtype=np.int64)
     max_blocks = -(-max(seq_lens) // block_size)
     table = np.arange(1, 1 + len(seq_lens) * max_blocks, dtype=np.int64).reshape(len(seq_lens), max_blocks)
-    return build_metadata(q_lens, ctx, ctx.copy(), table, block_size, CPU, GatherBuffer()), table
+    return TorchBackend(CPU, block_size).build_metadata(q_lens, ctx, ctx.copy(), table), table
 
 
 def _rows(chunk) -> list[int]:
@@ -174,9 +176,6 @@ def test_model_load_weights_through_collective_rpc_repacks(tiny_checkpoints):
     assert restored == before
 
 
-needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
-
-
 def _dense_decode(q, k_cache, v_cache, table, seq_lens, scale):
     """Reference: each sequence's K/V laid out densely, attention in float64."""
     num_kv_heads = k_cache.shape[2]
@@ -191,7 +190,7 @@ def _dense_decode(q, k_cache, v_cache, table, seq_lens, scale):
     return torch.stack(out)
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 # few sequences: the kernel splits by KV head; sequences past 512 tokens are split into parts
@@ -238,7 +237,7 @@ def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size, lens_in_
     return out, expected
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
     """A long sequence's parts follow its length alone: alone (an item per KV head and part) or
@@ -255,7 +254,7 @@ def test_native_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
     assert torch.equal(outs[0][0], outs[1][0])
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4), (32, 2), (34, 2)])
 @pytest.mark.parametrize("num_seqs", [3, 40])   # 3: an item per KV head; 40: a sequence's heads together
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (128, 64), (32, 128), (8, 64)])
@@ -269,11 +268,11 @@ def test_native_decode_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_head
         monkeypatch.setenv("TREADLE_AMX", switch)
         outs[switch], expected = _run_decode(torch.bfloat16, heads, kv_heads, num_seqs, head_dim, block_size)
         torch.testing.assert_close(outs[switch].double(), expected, rtol=2e-2, atol=2e-2)
-    on_tiles = cpu.cpu_has(*cpu.AMX_FLAGS) and heads // kv_heads <= 16 and block_size % 16 == 0
+    on_tiles = HAS_AMX and heads // kv_heads <= 16 and block_size % 16 == 0
     assert torch.equal(outs["1"], outs["0"]) != on_tiles
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152 + 5])
 def test_native_argmax_answers_as_torch_does(vocab, dtype):
@@ -296,7 +295,7 @@ def test_native_argmax_answers_as_torch_does(vocab, dtype):
     assert torch.equal(torch.ops.treadle.argmax_rows(logits), logits.float().argmax(dim=-1))
 
 
-@needs_native
+@needs_kernels
 def test_native_argmax_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="fp32, bf16 or fp16"):
         torch.ops.treadle.argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
@@ -306,7 +305,7 @@ def test_native_argmax_refuses_what_it_cannot_take():
         torch.ops.treadle.argmax_rows(torch.zeros(2, 0))
 
 
-@needs_native
+@needs_kernels
 def test_native_decode_refuses_bad_inputs():
     k_cache = torch.zeros(4, 16, 2, 8)
     q, out = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
@@ -322,7 +321,7 @@ def test_native_decode_refuses_bad_inputs():
                                                  torch.full((1,), 17, dtype=torch.int32), 1.0)
 
 
-@needs_native
+@needs_kernels
 def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
@@ -332,6 +331,7 @@ def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypat
         llm = LLM(tiny_checkpoints["qwen2"], block_size=16, num_kv_blocks=64)
         runner = llm.engine.core.executor.worker.runner
         assert runner.native_kernels == (switch == "1")
+        assert runner.attention.name == ("cpu" if switch == "1" else "torch")
         assert runner.model.model.layers[0].mlp.native == (switch == "1")
         runs[switch] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs["1"] == runs["0"]
@@ -384,7 +384,7 @@ def _dense_prefill(q, k_cache, v_cache, table, query_start, context_lens, scale)
 PREFILL_SPANS = [(0, 37), (0, 1), (300, 4), (17, 1), (5, 100), (0, 0), (64, 20), (1000, 70), (3, 5)]
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (4, 2)])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 64), (8, 64), (16, 40)])
@@ -407,7 +407,7 @@ def _run_prefill(spans, heads, kv_heads, block_size, dtype, head_dim):
     return out, _dense_prefill(q, k_cache, v_cache, table, query_start, context_lens, scale)
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4)])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 64), (32, 128)])
 def test_native_prefill_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_heads, block_size, head_dim):
@@ -419,10 +419,10 @@ def test_native_prefill_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_hea
         monkeypatch.setenv("TREADLE_AMX", switch)
         outs[switch], expected = _run_prefill(PREFILL_SPANS, heads, kv_heads, block_size, torch.bfloat16, head_dim)
         torch.testing.assert_close(outs[switch].double(), expected, rtol=2e-2, atol=2e-2)
-    assert torch.equal(outs["1"], outs["0"]) != cpu.cpu_has(*cpu.AMX_FLAGS)
+    assert torch.equal(outs["1"], outs["0"]) != HAS_AMX
 
 
-@needs_native
+@needs_kernels
 def test_native_prefill_refuses_bad_inputs():
     k_cache = torch.zeros(4, 16, 2, 8)
     q, out = torch.zeros(3, 4, 8), torch.zeros(3, 4, 8)
@@ -439,11 +439,11 @@ def test_native_prefill_refuses_bad_inputs():
         op(out, q, k_cache, k_cache, table, torch.tensor([0, 1, 3], dtype=torch.int32), ctx, 1.0)
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_attention_matches_the_torch_path(dtype):
-    """One step of decodes and prefill chunks through TorchAttention, with the kernels and
-    without: the same output, and the same K/V written to the cache."""
+    """One step of decodes and prefill chunks through the `cpu` backend (the kernels) and the
+    `torch` backend: the same output, and the same K/V written to the cache."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     ctx = np.array([700, 300, 41, 0, 200, 1000, 0])
     q_lens = np.array([1, 1, 1, 30, 5, 64, 1])          # three decodes first, then prefills
@@ -455,11 +455,11 @@ def test_native_attention_matches_the_torch_path(dtype):
     kv_cache = torch.randn(2, table.size + 1, block_size, kv_heads, head_dim).to(dtype)
     qkv = torch.randn(int(q_lens.sum()), heads + 2 * kv_heads, head_dim).to(dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-    attn = TorchAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    attn = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
     outs, caches = [], []
-    for native in (True, False):
-        meta = build_metadata(q_lens, ctx, positions, table, block_size, CPU, GatherBuffer(), native)
-        assert (meta.native_prefill is not None) == native and (not meta.prefills) == native
+    for backend in (CpuKernelBackend(CPU, block_size), TorchBackend(CPU, block_size)):
+        meta = backend.build_metadata(q_lens, ctx, positions, table)
+        assert meta.num_decodes == 3
         cache = kv_cache.clone()
         outs.append(attn(q, k, v, cache, meta))
         caches.append(cache)
@@ -471,7 +471,7 @@ def test_native_attention_matches_the_torch_path(dtype):
 FUSED_TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("dtype", list(FUSED_TOLERANCE))
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_fused_ops_match_the_torch_expressions(dtype, rows):
@@ -517,7 +517,7 @@ def test_fused_ops_match_the_torch_expressions(dtype, rows):
     assert torch.equal(qkv[:, 5:], untouched)
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_stores_what_index_copy_stores(dtype):
     """Each token's K and V into its slot, read from a qkv row as the model hands them over;
@@ -538,7 +538,7 @@ def test_write_kv_stores_what_index_copy_stores(dtype):
         torch.ops.treadle.write_kv_(cache, k, v, slots.int())
 
 
-@needs_native
+@needs_kernels
 def test_fused_ops_refuse_bad_inputs():
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         torch.ops.treadle.silu_and_mul(torch.zeros(2, 5))

@@ -14,7 +14,7 @@ import pytest
 
 from tests.reference import HFReference
 from tests.test_correctness import TEXTS
-from tests.test_rl_controls import original_weights, perturbed  # noqa: F401 (fixture)
+from tests.test_rl_controls import perturbed
 from tests.test_spec_decode import NGRAM, REPETITIVE
 from treadle import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from treadle.config import EngineArgs
@@ -22,11 +22,6 @@ from treadle.engine.llm_engine import LLMEngine
 from treadle.models.loader import load_tokenizer
 
 REPEATING = [11, 12, 13, 14, 15] * 6   # drafts find matches in it
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_checkpoints) -> str:
-    return tiny_checkpoints["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +159,7 @@ def test_spec_with_stop_strings_is_field_for_field_plain_decoding(smollm2_path, 
 # -- continuations after a weight update -------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_continuation_after_update_weights_matches_transformers_on_the_new_weights(
-        llama, reference, prompts, original_weights, async_scheduling):  # noqa: F811
+        llama, reference, prompts, original_weights, async_scheduling):
     """A request kept across a weight update: its tokens before the pause are the old model's,
     the rest what transformers with the perturbed weights gives for prompt + those tokens."""
     new_weights = perturbed(original_weights)

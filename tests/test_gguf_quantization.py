@@ -9,14 +9,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from tests.kernel_support import needs_kernels
 from treadle import LLM, SamplingParams
-from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import gguf_weights
 from treadle.models.gguf_weights import GGUF_ROWS, GgufWeight
 from treadle.models.loader import iter_hf_weights
 
-CPU = torch.device("cpu")
-needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
 TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
 
@@ -28,7 +26,7 @@ def _blocks(ggml_type: GGMLQuantizationType, rows: int, blocks_per_row: int, see
     return torch.from_numpy(blocks.copy()), torch.from_numpy(dequantize(blocks, ggml_type).reshape(rows, cols))
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, GGUF_ROWS, 6, 8])
 @pytest.mark.parametrize("bias", [False, True])
@@ -42,7 +40,7 @@ def test_kernel_equals_the_dense_kernel_on_the_dequantized_weights(ggml_type, ro
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 
-@needs_native
+@needs_kernels
 def test_kernel_refuses_bad_inputs():
     blocks, _ = _blocks(GGMLQuantizationType.Q4_1, 16, 2, seed=0)
     run = torch.ops.treadle.gguf_rows_linear
@@ -84,7 +82,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
                                     "Once upon a time, in a small village,", "1, 2, 3, 5, 8,")]
 
 
-@needs_native
+@needs_kernels
 def test_every_linear_and_the_head_read_the_files_blocks(gguf_llm):
     def copies(worker):
         model = worker.runner.model
@@ -99,7 +97,7 @@ def test_every_linear_and_the_head_read_the_files_blocks(gguf_llm):
     assert gguf_llm.collective_rpc(copies) == [(120, 120, {gguf_weights.Q4_1}, gguf_weights.Q8_0)]
 
 
-@needs_native
+@needs_kernels
 def test_engine_equals_transformers_on_the_file(gguf_llm, smollm2_path, reference):
     prompts = _prompts(gguf_llm)
     # One request at a time (1 row: the blocks' kernel), then all four together (4 rows, still
@@ -112,7 +110,7 @@ def test_engine_equals_transformers_on_the_file(gguf_llm, smollm2_path, referenc
         assert list(t.outputs[0].token_ids) == expected
 
 
-@needs_native
+@needs_kernels
 def test_the_layer_stack_computes_the_python_layers_bits(gguf_llm):
     model = gguf_llm.engine.core.executor.worker.runner.model
     prompts = _prompts(gguf_llm)
@@ -131,7 +129,7 @@ def test_the_layer_stack_computes_the_python_layers_bits(gguf_llm):
         model.layer_stack = stack
 
 
-@needs_native
+@needs_kernels
 def test_a_weight_update_drops_the_copies_it_changes(gguf_llm, smollm2_path):
     name = "model.layers.0.mlp.down_proj.weight"
     original = dict(iter_hf_weights(smollm2_path))[name]
@@ -148,14 +146,13 @@ def test_a_weight_update_drops_the_copies_it_changes(gguf_llm, smollm2_path):
         assert gguf_llm.collective_rpc(update, args=(original,)) == [(False, True)]
 
 
-
 def _stage_copies(worker) -> tuple[bool, int, bool]:
     model = worker.runner.model
     linears = sum(isinstance(m.quantized, GgufWeight) for m in model.modules() if hasattr(m, "quantized"))
     return model.ctx.is_last_stage, linears, model._quantized_head is not None
 
 
-@needs_native
+@needs_kernels
 def test_two_pipeline_stages_read_their_own_layers_blocks(smollm2_path, reference):
     llm = LLM(smollm2_path, quantization="gguf", dtype="float32", max_model_len=256, block_size=16,
               num_kv_blocks=64, pipeline_parallel_size=2)

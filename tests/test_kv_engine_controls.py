@@ -10,8 +10,8 @@ import weakref
 import pytest
 import torch
 
-from tests.test_kv_transfer import (BLOCK, MAX_TOKENS, connector_of, copy_store, greedy,
-                                    kv_config, llama, prompts, store)  # noqa: F401 (fixtures)
+from tests.kv_fixtures import (BLOCK, MAX_TOKENS, connector_of, copy_store, greedy, kv_config,
+                               prompts, store)  # noqa: F401 (fixtures)
 from tests.reference import HFReference
 from treadle import LLM, SamplingParams
 from treadle.kv_transfer import register_connector

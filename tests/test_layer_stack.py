@@ -10,16 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_support import HAS_AMX, HAS_AVX512, HAS_PAIRS, needs_kernels
 from treadle import LLM, SamplingParams
-from treadle.kernels import cpu
-from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import layer_stack, linear
 
-CPU = torch.device("cpu")
-needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
-HAS_AMX = cpu.cpu_has(*cpu.AMX_FLAGS)
-HAS_PAIRS = cpu.cpu_has("avx512_bf16")
-HAS_AVX512 = cpu.cpu_has("avx512f")
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 11, [42, 17, 99, 5, 23, 64, 1000],
            [5, 4, 3], [900, 901], [31, 41, 59, 26, 53], [2718, 28]]
@@ -40,7 +34,7 @@ def _runs(llm: LLM) -> list:
             + _generate(llm, PROMPTS) + _generate(llm, PROMPTS[:2] + LONG, max_tokens=20))
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("arch, quantization, dtype", [("llama", None, "float32"), ("qwen2", None, "float32"),
                                                        ("qwen3", None, "float32"), ("llama", "int8", "float32"),
                                                        ("llama", None, "bfloat16")])   # on AMX tiles or pairs, where there are
@@ -75,7 +69,7 @@ def test_stack_computes_the_python_layers_bits(tiny_checkpoints, monkeypatch, ar
         llm.shutdown()
 
 
-@needs_native
+@needs_kernels
 def test_a_weight_update_rebuilds_the_stack(tiny_checkpoints):
     """load_weights re-packs and re-quantizes: the stack must read the new weights, not a
     snapshot of the old int8 copies."""
@@ -95,7 +89,7 @@ def test_a_weight_update_rebuilds_the_stack(tiny_checkpoints):
         llm.shutdown()
 
 
-@needs_native
+@needs_kernels
 def test_stack_pads_gemm_rows_as_the_python_layers_do():
     """Its packed GEMMs run at linear.gemm_rows' counts: the kernels warmed up at load, and the
     same bits as the Python layers at every row count."""
@@ -103,7 +97,7 @@ def test_stack_pads_gemm_rows_as_the_python_layers_do():
         assert torch.ops.treadle.gemm_rows(rows) == linear.gemm_rows(rows), rows
 
 
-@needs_native
+@needs_kernels
 def test_stack_refuses_what_it_cannot_run():
     stack = torch.classes.treadle.LayerStack(4, 2, 16, 1e-6, 0.25, 4, 2, 96)   # hidden 64: q 64, k and v 32
     qkv, o, gate_up, down = torch.zeros(128, 64), torch.zeros(64, 64), torch.zeros(256, 64), torch.zeros(64, 128)

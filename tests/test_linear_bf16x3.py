@@ -9,15 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_support import CPU, HAS_AMX, needs_kernels
 from tests.reference import linear_float64, refused_without
 from treadle import LLM, SamplingParams
-from treadle.kernels import cpu
-from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
-
-CPU = torch.device("cpu")
-needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
-HAS_AMX = cpu.cpu_has(*cpu.AMX_FLAGS)
 
 
 @needs_kernels

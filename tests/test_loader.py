@@ -37,10 +37,10 @@ def test_default_model_path_says_how_to_install(monkeypatch):
 def test_resolve_model(tmp_path):
     assert resolve_model(None) == default_model_path()
     assert resolve_model(default_model_path()) == default_model_path()
-    with pytest.raises(ValueError, match="hub"):
-        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    with pytest.raises(ValueError, match="hub"):
-        resolve_model(str(tmp_path / "missing.gguf"))
+    # A Hub id goes to the Hub (tests/test_hub_models.py); a path that is none is refused.
+    for missing in (tmp_path / "missing.gguf", tmp_path / "missing", "missing.gguf"):
+        with pytest.raises(ValueError, match="nor a Hugging Face hub id"):
+            resolve_model(str(missing))
     with pytest.raises(ValueError, match="config.json"):
         resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")

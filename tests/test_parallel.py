@@ -76,7 +76,9 @@ def assert_exact(outputs, prompts, ref, max_tokens: int = MAX_TOKENS) -> None:
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
     ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "world size 2 needs 'mp'"),
     ({"distributed_executor_backend": "ray"}, "'ray' is not built yet"),
-    ({"distributed_executor_backend": "threads"}, "must be one of uni, mp"),
+    ({"distributed_executor_backend": "threads"}, "must be one of mp, uni"),
+    ({"max_worker_restarts": 1}, "max_worker_restarts replaces worker processes: it needs "
+                                 "distributed_executor_backend 'mp', got 'uni'"),
     ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram"}},
      "speculative decoding with pipeline_parallel_size > 1"),
     ({"pipeline_parallel_size": 2, "master_port": 70000}, "master_port must be in 1..65535"),

@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_support import needs_kernels
 from tests.reference import HFReference
 from treadle import LLM, SamplingParams
-from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models.linear import INT8_GROUP, INT8_ROWS, Int8Weight
 from treadle.models.loader import iter_hf_weights
-
-CPU = torch.device("cpu")
-needs_native = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="the C++ kernels did not build here")
 
 
 def _dequantized(weight: torch.Tensor) -> torch.Tensor:
@@ -44,7 +41,7 @@ def test_quantize_rounds_each_group_to_its_scale():
     assert Int8Weight.quantize(weight, packed) is not packed
 
 
-@needs_native
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, INT8_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_kernel_equals_the_dense_kernel_on_dequantized_weights(rows, bias):
@@ -58,7 +55,7 @@ def test_int8_kernel_equals_the_dense_kernel_on_dequantized_weights(rows, bias):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-@needs_native
+@needs_kernels
 def test_int8_kernel_refuses_bad_inputs():
     q, scales = Int8Weight.quantize(torch.randn(16, 64)).tensors
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -94,7 +91,7 @@ def dequantized_reference(smollm2_path):
     return HFReference(smollm2_path, overrides)
 
 
-@needs_native
+@needs_kernels
 def test_int8_engine_equals_transformers_on_the_dequantized_weights(int8_llm, dequantized_reference):
     def int8_layers(worker):
         model = worker.runner.model
@@ -116,7 +113,7 @@ def test_int8_engine_equals_transformers_on_the_dequantized_weights(int8_llm, de
         assert list(t.outputs[0].token_ids) == expected
 
 
-@needs_native
+@needs_kernels
 def test_int8_follows_a_weight_update(int8_llm, smollm2_path):
     name = "model.layers.0.mlp.down_proj.weight"
     original = dict(iter_hf_weights(smollm2_path))[name]
@@ -146,7 +143,7 @@ def _tied_rows(worker) -> dict[str, torch.Tensor | None]:
             "head": model._head_weight()[:4].clone() if model.ctx.is_last_stage else None}
 
 
-@needs_native
+@needs_kernels
 def test_int8_two_stages_equal_transformers_on_the_dequantized_weights(tiny_checkpoints):
     """The first stage holds the tied embedding alone: it must quantize it as the last stage
     quantizes the head, or the stages would run two different models. (A tiny model: SmolLM2's

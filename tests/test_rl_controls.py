@@ -15,7 +15,7 @@ import torch
 
 from tests.test_correctness import TEXTS
 from treadle import LLM, AsyncLLM, EngineBusyError, RequestOutputKind, SamplingParams
-from treadle.models.loader import iter_hf_weights, load_tokenizer
+from treadle.models.loader import load_tokenizer
 
 ENGINE_ARGS = {"block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 2}
 MAX_TOKENS = 40
@@ -29,11 +29,6 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_checkpoints):
-    return tiny_checkpoints["llama"]
-
-
-@pytest.fixture(scope="module")
 def prompts(llama) -> list[list[int]]:
     tok = load_tokenizer(llama)
     return [tok.encode(t) for t in TEXTS[:3]]
@@ -42,11 +37,6 @@ def prompts(llama) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def long_prompt(llama) -> list[int]:
     return load_tokenizer(llama).encode(LONG_TEXT)
-
-
-@pytest.fixture(scope="module")
-def original_weights(llama) -> dict[str, torch.Tensor]:
-    return dict(iter_hf_weights(llama))
 
 
 def run_engine(path: str, body, **engine_args):

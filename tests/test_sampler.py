@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treadle.sampling_params import SamplingParams
-from treadle.worker.sampler import Sampler, SamplingRow
+from treadle.worker.sampler import Sampler, SamplingRow, apply_logit_bias
 
 V = 8
 
@@ -105,3 +105,32 @@ def test_logprobs_report_rank_and_top_tokens():
     ref = torch.log_softmax(torch.tensor(logits[0]), -1)
     assert lps[0].token_ids == [0, 0, 2] and lps[0].rank == 1
     assert lps[0].logprobs == pytest.approx([ref[0].item(), ref[0].item(), ref[2].item()])
+
+
+def test_logit_bias_is_added_per_row_before_penalties():
+    """One index_put_ over the batch: each row gets its own biases, rows without none."""
+    logits = torch.zeros(3, V)
+    rows = [row(logit_bias={1: 2.5, 4: -1.0}), row(), row(logit_bias={"7": 100})]
+    apply_logit_bias(logits, rows)
+    expected = torch.zeros(3, V)
+    expected[0, 1], expected[0, 4], expected[2, 7] = 2.5, -1.0, 100.0
+    assert torch.equal(logits, expected)
+    # Greedy: a bias forces a token, -100 forbids the argmax.
+    base = [[0, 1, 5, 2, 0, 0, 0, 0]] * 3
+    tokens, _ = sample(base, row(temperature=0, logit_bias={6: 10}),
+                       row(temperature=0, logit_bias={2: -100}), row(temperature=0))
+    assert tokens == [6, 3, 2]
+    # vLLM's order: the bias, then the repetition penalty (a positive logit is divided).
+    got, _ = sample([[0, 0, 0, 2.5, 0, 0, 0, 0]],
+                    row(temperature=0, output=[6], repetition_penalty=2.0, logit_bias={6: 3.5}))
+    assert got == [3]   # 3.5 / 2 < 2.5; penalising first would leave token 6 at 0 + 3.5
+
+
+def test_logit_bias_reaches_sampled_rows_and_keeps_raw_logprobs():
+    logits = [[5.0, 0, 0, 0, 0, 0, 0, 0]]
+    for seed in range(10):
+        assert sample(logits, row(temperature=1.0, seed=seed, logit_bias={0: -100}))[0][0] != 0
+    tokens, lps = sample(logits, row(temperature=0, logprobs=1, logit_bias={3: 50}))
+    assert tokens == [3]
+    raw = torch.log_softmax(torch.tensor(logits[0]), dim=-1)
+    assert lps[0].logprobs[0] == pytest.approx(float(raw[3]))   # as vLLM's raw_logprobs

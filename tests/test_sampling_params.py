@@ -123,6 +123,15 @@ BAD = [
     ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens must be a bool"),
     ({"output_kind": "streaming"}, "output_kind must be .*cumulative, delta, final_only"),
     ({"output_kind": 1}, "output_kind"),
+    ({"logit_bias": [1, 2]}, r"logit_bias must be a dict of token id -> bias in \[-100, 100\]"),
+    ({"logit_bias": {"abc": 1}}, r"logit_bias keys must be token ids \(integers >= 0\), got 'abc'"),
+    ({"logit_bias": {-3: 1}}, r"logit_bias keys must be token ids \(integers >= 0\), got -3"),
+    ({"logit_bias": {1.0: 1}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"5": 100.5}}, r"logit_bias\['5'\] must be in \[-100, 100\], got 100.5"),
+    ({"logit_bias": {5: -101}}, r"logit_bias\[5\] must be in \[-100, 100\], got -101"),
+    ({"logit_bias": {5: math.nan}}, r"logit_bias\[5\] must be in \[-100, 100\]"),
+    ({"logit_bias": {5: "1"}}, r"logit_bias\[5\] must be in \[-100, 100\], got '1' \(str\)"),
+    ({"logit_bias": {5: 1, "5": 2}}, "logit_bias names token 5 twice"),
 ]
 
 
@@ -140,6 +149,7 @@ GOOD = [
     {"max_tokens": None}, {"max_tokens": 1}, {"min_tokens": 16}, {"max_tokens": None, "min_tokens": 1000},
     {"n": 8}, {"logprobs": 0}, {"prompt_logprobs": 0}, {"logprobs": 20},
     {"seed": 0}, {"seed": -7}, {"seed": 2**62}, {"stop": ["\n"]}, {"stop_token_ids": [0]},
+    {"logit_bias": {0: -100, 7: 100.0}}, {"logit_bias": {}},
 ]
 
 
@@ -171,3 +181,10 @@ def test_clone_is_deep_and_equal():
     q.stop_token_ids.append(6)
     q.output_kind = RequestOutputKind.FINAL_ONLY
     assert p.stop == ["x"] and p.stop_token_ids == [5] and p.output_kind is RequestOutputKind.DELTA
+
+
+def test_logit_bias_keys_become_ints():
+    """JSON object keys are strings: "12" is token 12, as in OpenAI's API; an empty dict is off."""
+    assert SamplingParams(logit_bias={"12": 3, 4: -1.5}).logit_bias == {12: 3.0, 4: -1.5}
+    assert SamplingParams(logit_bias={np.int64(3): np.float32(2)}).logit_bias == {3: 2.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None

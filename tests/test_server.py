@@ -146,11 +146,6 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_checkpoints) -> str:
-    return tiny_checkpoints["llama"]
-
-
-@pytest.fixture(scope="module")
 def tokenizer(llama):
     return load_tokenizer(llama)
 

@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_support import CPU, needs_kernels
 from tests.reference import linear_float64
-from treadle.kernels.cpu import cpu_kernels_available
 from treadle.models import linear
-
-CPU = torch.device("cpu")
-# CI requires the kernels (TREADLE_REQUIRE_CPU_KERNELS=1): there a missing build fails loudly
-# in cpu_kernels_available instead of skipping.
-needs_kernels = pytest.mark.skipif(not cpu_kernels_available(CPU), reason="no C++ compiler here")
 
 
 @needs_kernels

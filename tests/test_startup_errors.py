@@ -10,8 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from treadle.config import EngineArgs
 
 TREADLE = str(Path(sys.executable).parent / "treadle")
@@ -34,11 +32,6 @@ def assert_clear_error(out: subprocess.CompletedProcess, *phrases: str) -> None:
     assert len(errors) == 1, out.stderr
     for phrase in phrases:
         assert phrase in errors[0], out.stderr
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_checkpoints) -> str:
-    return tiny_checkpoints["llama"]   # 1024 positions
 
 
 def test_port_out_of_range():

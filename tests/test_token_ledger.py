@@ -282,9 +282,9 @@ class AsyncRunner:
         so = self.sched.poll_kv_loads() if poll else self.sched.schedule()
         if so.is_empty and not poll:
             # The engine waits and schedules again while the connector cannot tell yet what it
-            # can load (Scheduler.waiting_for_connector); otherwise it is stuck.
+            # can load (SchedulerOutput.waiting_for_connector); otherwise it is stuck.
             if (not self.fifo and self.sched.has_unfinished_requests()
-                    and not getattr(self.sched, "waiting_for_connector", False)):
+                    and not so.waiting_for_connector):
                 raise EngineStalled("scheduler made no progress with requests waiting: " + str(
                     {rid: r.status.name for rid, r in self.sched.requests.items()}))
             return so

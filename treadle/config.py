@@ -6,10 +6,14 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from treadle.attention.backend import check_attention_backend
+from treadle.executor.registry import EXECUTORS
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +165,6 @@ class StructuredOutputsConfig:
         return config
 
 
-EXECUTOR_BACKENDS = ("uni", "mp")   # "ray" is the next one (executor/__init__.py)
-
-
 @dataclass
 class ParallelConfig:
     """How the model is split over worker processes: `pipeline_parallel_size` stages of layers,
@@ -208,6 +209,7 @@ class TreadleConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str = "cpu"
+    attention_backend: str | None = None   # None: the best for the device (attention/backend.py)
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -224,6 +226,9 @@ class EngineArgs:
     """Flat engine arguments, named as in vLLM; `create_config` validates and groups them."""
 
     model: str | None = None
+    # A Hub id's branch, tag or commit (None: main), and the Hub cache to use (None: HF_HUB_CACHE).
+    revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
     max_model_len: int | None = None
@@ -241,6 +246,7 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] | str | None = None
     seed: int = 0
     device: str | None = None
+    attention_backend: str | None = None   # "cpu" | "torch"; None: the best for the device
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
     # "uni" (in this process) or "mp" (worker processes); None: uni at world size 1, else mp.
@@ -255,6 +261,7 @@ class EngineArgs:
     def create_config(self) -> TreadleConfig:
         from treadle.models.loader import is_gguf, load_hf_config, prepare_model, resolve_model
 
+        start = time.perf_counter()
         # Checked before the model is touched: a typo must not cost a model load.
         kv_transfer = (KVTransferConfig.from_dict(self.kv_transfer_config)
                        if self.kv_transfer_config is not None else None)
@@ -265,11 +272,18 @@ class EngineArgs:
                              "use pipeline_parallel_size=1 and tensor_parallel_size=1")
         device = self.device or _default_device()
         _check_device(device)
-        source = resolve_model(self.model)
-        gguf_file = source if is_gguf(source) else None
+        if self.attention_backend is not None:
+            check_attention_backend(self.attention_backend, torch.device(device))
+        for name in ("revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        # Before the model is touched, as a model on the Hub may have to be downloaded.
         dtype = _resolve_dtype(self.dtype, device)
+        source = resolve_model(self.model, self.revision, self.download_dir)
+        gguf_file = source if is_gguf(source) else None
         _check_quantization(self.quantization, dtype, device, gguf_file, parallel.tensor_parallel_size)
-        path = prepare_model(self.model)
+        path = prepare_model(source)
         hf_config = load_hf_config(path)
 
         max_model_len = _max_model_len(self.max_model_len, hf_config)
@@ -283,6 +297,15 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is the null block), got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None:
             _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.num_kv_blocks is not None and self.max_model_len is not None:
+            # Known before the weights load, so refused before: the engine checks it again
+            # for a cache sized from a budget.
+            capacity = (self.num_kv_blocks - 1) * block_size
+            if max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len ({max_model_len}) is more than the KV cache can hold "
+                    f"({capacity} tokens: {self.num_kv_blocks} blocks of {block_size}, one kept "
+                    f"empty); lower max_model_len to at most {capacity}, or raise num_kv_blocks")
 
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -314,7 +337,11 @@ class EngineArgs:
         if spec_cfg is not None and parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported: drop speculative_config or use one stage")
+        # A start-up stage of its own: the grammar engine's and transformers' imports take seconds.
+        logger.info("engine config in %.1f s: %s, %s, max_model_len %d, %s", time.perf_counter()
+                    - start, path, str(dtype).removeprefix("torch."), max_model_len, device)
         return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
+                             attention_backend=self.attention_backend,
                              speculative=spec_cfg, kv_transfer=kv_transfer, parallel=parallel,
                              structured_outputs=structured)
 
@@ -325,10 +352,10 @@ class EngineArgs:
         backend = self.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
         if backend == "ray":
             raise ValueError("distributed_executor_backend 'ray' is not built yet; "
-                             f"use one of {', '.join(EXECUTOR_BACKENDS)}")
-        if backend not in EXECUTOR_BACKENDS:
+                             f"use one of {', '.join(sorted(EXECUTORS))}")
+        if backend not in EXECUTORS:
             raise ValueError(f"distributed_executor_backend must be one of "
-                             f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
+                             f"{', '.join(sorted(EXECUTORS))}; got {backend!r}")
         if backend == "uni" and world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one worker; world size "
                              f"{world_size} needs 'mp'")
@@ -337,6 +364,10 @@ class EngineArgs:
         if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, "
                              f"got {self.max_worker_restarts!r}")
+        if self.max_worker_restarts and backend == "uni":
+            # The worker shares this process: a failure there ends the engine, with nothing to replace.
+            raise ValueError("max_worker_restarts replaces worker processes: it needs "
+                             "distributed_executor_backend 'mp', got 'uni'")
         return ParallelConfig(self.pipeline_parallel_size, self.tensor_parallel_size,
                               backend, self.master_port, self.max_worker_restarts)
 
@@ -448,28 +479,55 @@ def max_steps_in_flight(config: TreadleConfig) -> int:
     return config.parallel.pipeline_parallel_size + int(config.scheduler.async_scheduling)
 
 
+# The most the default KV cache takes on CPU, and the share of the memory still available it
+# may take: the machine's other work (and the model's activations) need the rest.
+CPU_KV_CACHE_MAX_BYTES = 2 << 30
+CPU_KV_CACHE_MEMORY_FRACTION = 0.25
+
+
 def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None) -> int:
     """How many KV blocks to allocate: explicit count, byte budget, or sized to the machine.
-    `per_block`: bytes of one block on this worker (its layers and KV heads); else the model's."""
+    `per_block`: bytes of one block on this worker (its layers and KV heads); else the model's.
+
+    On CPU the default is what `max_num_seqs` requests of `max_model_len` tokens can use, and no
+    more, bounded by a quarter of the available memory and by 2 GiB (shared by the workers).
+    """
     cache, model = config.cache, config.model
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
     per_block = per_block or cache.bytes_per_block(model)
-    if cache.kv_cache_memory_bytes is not None:
-        budget = cache.kv_cache_memory_bytes
+    if cache.num_kv_blocks is not None:
+        num_blocks, reason = cache.num_kv_blocks, "num_kv_blocks"
+    elif cache.kv_cache_memory_bytes is not None:
+        num_blocks = cache.kv_cache_memory_bytes // per_block
+        reason = f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
     elif config.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
-        budget = int(free * 0.8)
+        num_blocks, reason = int(free * 0.8) // per_block, "80% of free GPU memory"
     else:
-        # A quarter of free RAM, at most 2 GiB, shared by the workers: tens of thousands of
-        # tokens for a small model.
-        budget = min(available_memory_bytes() // 4, 2 << 30) // config.parallel.world_size
-    num_blocks = budget // per_block
+        num_blocks, reason = _default_cpu_blocks(config, per_block)
     if num_blocks < 2:
         raise ValueError(
-            f"KV cache budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes; "
-            "raise kv_cache_memory_bytes or num_kv_blocks")
+            f"the KV cache ({reason}) holds {num_blocks} blocks of {per_block} bytes, fewer "
+            "than 2; raise kv_cache_memory_bytes or num_kv_blocks")
+    logger.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s)", num_blocks, cache.block_size,
+                num_blocks * per_block / 2**20, reason)
     return num_blocks
+
+
+def _default_cpu_blocks(config: TreadleConfig, per_block: int) -> tuple[int, str]:
+    """(blocks, why) for a CPU cache sized by default: every sequence at its longest, plus the
+    null block, unless memory bounds it first."""
+    max_seqs, max_len = config.scheduler.max_num_seqs, config.model.max_model_len
+    needed = max_seqs * -(-max_len // config.cache.block_size) + 1
+    world = config.parallel.world_size
+    available = available_memory_bytes()
+    bounds = [(needed, f"max_num_seqs {max_seqs} x max_model_len {max_len}"),
+              (int(available * CPU_KV_CACHE_MEMORY_FRACTION) // world // per_block,
+               f"{CPU_KV_CACHE_MEMORY_FRACTION:.0%} of {available / 2**30:.1f} GiB available"),
+              (CPU_KV_CACHE_MAX_BYTES // world // per_block,
+               f"the {CPU_KV_CACHE_MAX_BYTES / 2**20:.0f} MiB default cap")]
+    if world > 1:
+        bounds[1:] = [(n, f"{why}, over {world} workers") for n, why in bounds[1:]]
+    return min(bounds, key=lambda bound: bound[0])
 
 
 __all__ = ["EngineArgs", "TreadleConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",

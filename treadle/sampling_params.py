@@ -17,6 +17,8 @@ from treadle.structured_output.params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
+# OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it.
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class RequestOutputKind(enum.Enum):
@@ -69,6 +71,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
+    # Token id -> a value in [-100, 100] added to that token's logit before penalties and
+    # temperature (OpenAI's and vLLM's logit_bias); "123" keys, as JSON sends them, are read.
+    logit_bias: dict[int, float] | None = None
     # A JSON schema, regex, choice or grammar the output must follow (a dict is converted).
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # Free-form arguments for extensions, as in vLLM; a KV connector reads
@@ -116,6 +121,7 @@ class SamplingParams:
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
         self.output_kind = self._output_kind(self.output_kind)
+        self.logit_bias = self._logit_bias(self.logit_bias)
         self._structured_outputs()
 
     def _structured_outputs(self) -> None:
@@ -175,6 +181,33 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {_describe(t)}")
         return [int(t) for t in ids]
+
+    @staticmethod
+    def _logit_bias(bias: Any) -> dict[int, float] | None:
+        """{token id: bias}, ids as ints (or decimal strings) >= 0, biases in [-100, 100]; the
+        ids' upper bound, the vocabulary, is checked by the engine, which knows it."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias in "
+                             f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}] or None, "
+                             f"got {_describe(bias)}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token = key
+            if isinstance(key, str) and key.strip().isdecimal() and len(key) < 20:
+                token = int(key)
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), "
+                                 f"got {_describe(key)}")
+            if (not _is_real(value) or not math.isfinite(value)
+                    or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+                raise ValueError(f"logit_bias[{key!r}] must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                                 f"{LOGIT_BIAS_LIMIT:g}], got {_describe(value)}")
+            if int(token) in out:
+                raise ValueError(f"logit_bias names token {int(token)} twice")
+            out[int(token)] = float(value)
+        return out or None
 
     @staticmethod
     def _output_kind(kind: Any) -> RequestOutputKind:

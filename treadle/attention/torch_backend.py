@@ -1,19 +1,15 @@
-"""Paged attention in torch (CPU, and a fallback on GPU), with one C++ kernel on CPU.
+"""Paged attention in plain torch, on any device: the `torch` attention backend.
 
-KV cache per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim].
-A step's tokens are laid out decodes first (one query token each), then prefill chunks.
-  - New K/V are written in place through `slot_mapping`, before any attention reads the cache,
-    so a request may read blocks another request of the same step is filling.
-  - On CPU, decodes and prefill chunks go to C++ kernels (treadle/kernels), which read K/V
-    through the block table: one call per layer for all decodes, one for all prefill chunks.
-  - Otherwise decodes come longest first and are batched in chunks, each a contiguous run of rows of
+  - New K/V are written in place through `slot_mapping` with `index_copy_`.
+  - Decodes come longest first and are batched in chunks, each a contiguous run of rows of
     similar length. Whole blocks are gathered with `index_select` into a reused buffer,
     padded to the chunk's longest sequence, and masked. Chunks bound the gathered K/V so it
     stays in cache between the copy and SDPA.
   - Each prefill chunk attends to its cached context plus itself, with an explicit
     bottom-right-aligned causal mask (`is_causal=True` aligns top-left, which is wrong
     whenever the query is shorter than the keys).
-Neither path copies K/V out to every query head (as transformers' repeat_kv does).
+Neither path copies K/V out to every query head (as transformers' repeat_kv does). On CPU the
+`cpu` backend (cpu_backend.py) serves instead wherever the C++ kernels are built.
 """
 
 from __future__ import annotations
@@ -24,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from treadle.attention.backend import AttentionBackend, AttentionMetadata, PagedAttention, count_decodes
 
 
 # Padded key positions per decode chunk: ~3 MiB of fp32 K for 3 KV heads of 64, which stays in
@@ -62,19 +60,6 @@ class DecodeChunk:
 
 
 @dataclass
-class NativeDecode:
-    block_table: torch.Tensor   # [num_decodes, max_blocks] int32
-    seq_lens: torch.Tensor      # [num_decodes] int32, counting the new token
-
-
-@dataclass
-class NativePrefill:
-    block_table: torch.Tensor   # [num_spans, max_blocks] int32
-    query_start: torch.Tensor   # [num_spans + 1] int32, rows counted from the first prefill row
-    context_lens: torch.Tensor  # [num_spans] int32, tokens cached before each chunk
-
-
-@dataclass
 class PrefillSpan:
     q_start: int
     q_end: int
@@ -84,66 +69,83 @@ class PrefillSpan:
 
 
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor          # [num_tokens] flat cache slot of each new token
-    num_decodes: int                    # the first num_decodes tokens are decodes
-    native_decode: NativeDecode | None  # decodes for the C++ kernel, or else...
-    decode_chunks: list[DecodeChunk]    # ...decodes for the torch path
-    native_prefill: NativePrefill | None  # prefill chunks for the C++ kernel, or else...
-    prefills: list[PrefillSpan]           # ...prefill chunks for the torch path
+class TorchMetadata(AttentionMetadata):
+    decode_chunks: list[DecodeChunk]
+    prefills: list[PrefillSpan]
     gather_buffer: GatherBuffer
-    native_kernels: bool = False          # the C++ ops (treadle/kernels) write the new K/V
+
+    def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_blocks, block_size = k_cache.shape[:2]
+        hkv, d = layer.num_kv_heads, layer.head_dim
+        k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, self.slot_mapping, k)
+        v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, self.slot_mapping, v)
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # q may be a strided view
+        for chunk in self.decode_chunks:
+            n = chunk.mask.shape[0]
+            kd, vd = self._gather(k_cache, v_cache, chunk.block_ids)
+            # The query heads sharing a KV head become that head's queries: one query token
+            # sees the same keys from every head of a group. Several times faster than
+            # enable_gqa on CPU (6x in bf16).
+            o = F.scaled_dot_product_attention(
+                q[chunk.rows].view(n, hkv, layer.group_size, d),
+                kd.view(n, -1, hkv, d).transpose(1, 2), vd.view(n, -1, hkv, d).transpose(1, 2),
+                attn_mask=chunk.mask, scale=layer.scale)
+            out[chunk.rows] = o.reshape(n, layer.num_heads, d)
+        for span in self.prefills:
+            qp = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
+            if span.context_len == 0:
+                kp, vp = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
+                causal, mask = True, None
+            else:
+                total = span.mask.shape[1]
+                kp, vp = self._gather(k_cache, v_cache, span.block_ids)
+                kp, vp = kp.view(-1, hkv, d)[:total], vp.view(-1, hkv, d)[:total]
+                causal, mask = False, span.mask
+            o = F.scaled_dot_product_attention(
+                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=layer.scale, enable_gqa=True)
+            out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
+        return out.view(q.shape[0], layer.num_heads * d)
+
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_out, v_out = self.gather_buffer.take(k_cache, block_ids.shape[0])
+        return (torch.index_select(k_cache, 0, block_ids, out=k_out),
+                torch.index_select(v_cache, 0, block_ids, out=v_out))
 
 
-def build_metadata(
-    query_lens: np.ndarray,
-    context_lens: np.ndarray,
-    positions: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    device: torch.device,
-    gather_buffer: GatherBuffer,
-    native_kernels: bool = False,
-) -> AttentionMetadata:
-    """Metadata for one step.
+class TorchBackend(AttentionBackend):
+    name = "torch"
 
-    Requests come decodes first (query_len 1 with some context), longest context first.
-    `positions` holds every token's position, `block_table` one row per request, padded with
-    the null block 0. `native_kernels` sends decodes and prefill chunks to the C++ kernels.
-    """
-    req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
-    slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
-    slot_mapping = torch.from_numpy(slots.astype(np.int64)).to(device)
+    def __init__(self, device: torch.device, block_size: int) -> None:
+        super().__init__(device, block_size)
+        self.gather_buffer = GatherBuffer()
 
-    is_decode = (query_lens == 1) & (context_lens > 0)
-    num_decodes = len(query_lens) if is_decode.all() else int(np.argmin(is_decode))
-    seq_lens = context_lens[:num_decodes] + 1
-    native_decode, decode_chunks = None, []
-    if native_kernels and num_decodes:
-        max_blocks = -(-int(seq_lens.max()) // block_size)
-        native_decode = NativeDecode(
-            torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes, :max_blocks], dtype=np.int32)),
-            torch.from_numpy(seq_lens.astype(np.int32)))
-    else:
-        decode_chunks = _decode_chunks(seq_lens, block_table, block_size, device)
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        return None
 
-    q_lens, ctx, table = query_lens[num_decodes:], context_lens[num_decodes:], block_table[num_decodes:]
-    native_prefill, prefills = None, []
-    if native_kernels and len(q_lens):
-        max_blocks = -(-int((ctx + q_lens).max()) // block_size)
-        native_prefill = NativePrefill(
-            torch.from_numpy(np.ascontiguousarray(table[:, :max_blocks], dtype=np.int32)),
-            torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
-            torch.from_numpy(ctx.astype(np.int32)))
-    else:
-        prefills = _prefill_spans(num_decodes, q_lens, ctx, table, block_size, device)
-    return AttentionMetadata(slot_mapping, num_decodes, native_decode, decode_chunks, native_prefill,
-                             prefills, gather_buffer, native_kernels)
+    def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
+                       positions: np.ndarray, block_table: np.ndarray) -> TorchMetadata:
+        num_decodes = count_decodes(query_lens, context_lens)
+        n = num_decodes
+        return TorchMetadata(
+            self.slot_mapping(query_lens, positions, block_table), num_decodes,
+            _decode_chunks(context_lens[:n] + 1, block_table[:n], self.block_size, self.device),
+            _prefill_spans(n, query_lens[n:], context_lens[n:], block_table[n:], self.block_size,
+                           self.device),
+            self.gather_buffer)
+
+    def release(self) -> None:
+        self.gather_buffer = GatherBuffer()
 
 
 def _prefill_spans(start: int, query_lens: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray,
                    block_size: int, device: torch.device) -> list[PrefillSpan]:
-    """Prefill chunks for the torch path, the first at row `start` of the step."""
+    """Prefill chunks, the first at row `start` of the step."""
     spans = []
     for q_len, ctx, table in zip(query_lens.tolist(), context_lens.tolist(), block_table):
         span = PrefillSpan(start, start + q_len, ctx, None, None)
@@ -177,76 +179,3 @@ def _decode_chunks(seq_lens: np.ndarray, block_table: np.ndarray, block_size: in
             block_ids=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64).ravel()).to(device),
             mask=(key_pos[None, :] < lens[:, None])[:, None, None, :]))
     return chunks
-
-
-class TorchAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.group_size = num_heads // num_kv_heads
-        self.scale = scale
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if meta.native_kernels:
-            torch.ops.treadle.write_kv_(kv_cache, k, v, meta.slot_mapping)
-        else:
-            num_blocks, block_size = k_cache.shape[:2]
-            flat_k = k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-            flat_v = v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k)
-            flat_v.index_copy_(0, meta.slot_mapping, v)
-
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # q may be a strided view
-        if meta.native_decode is not None:
-            n = meta.num_decodes
-            torch.ops.treadle.paged_decode_attention(
-                out[:n], q[:n], k_cache, v_cache, meta.native_decode.block_table,
-                meta.native_decode.seq_lens, self.scale)
-        if meta.native_prefill is not None:
-            # Every prefill chunk goes to the kernel: it beat the torch path in every shape
-            # measured (2 cores, SmolLM2-135M's 9 heads on 3 KV heads of 64, one layer, median ms
-            # fp32/bf16): a 512-token prompt 5.0/4.5 -> 2.8/2.6; 256 tokens after 1024 cached
-            # 6.3/7.0 -> 6.0/5.3; 16 spans of 4 after 300-700 (draft verification) 3.9/3.3 ->
-            # 1.1/0.9; 4 prompts of 128 1.6/1.7 -> 1.0/1.0.
-            n, p = meta.num_decodes, meta.native_prefill
-            torch.ops.treadle.paged_prefill_attention(
-                out[n:], q[n:], k_cache, v_cache, p.block_table, p.query_start, p.context_lens, self.scale)
-        for chunk in meta.decode_chunks:
-            n = chunk.mask.shape[0]
-            kd, vd = self._gather(k_cache, v_cache, chunk.block_ids, meta.gather_buffer)
-            # The query heads sharing a KV head become that head's queries: one query token
-            # sees the same keys from every head of a group. Several times faster than
-            # enable_gqa on CPU (6x in bf16).
-            o = F.scaled_dot_product_attention(
-                q[chunk.rows].view(n, self.num_kv_heads, self.group_size, self.head_dim),
-                kd.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
-                vd.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2),
-                attn_mask=chunk.mask, scale=self.scale)
-            out[chunk.rows] = o.reshape(n, self.num_heads, self.head_dim)
-        for span in meta.prefills:
-            qp = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
-            if span.context_len == 0:
-                kp, vp = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
-                causal, mask = True, None
-            else:
-                total = span.mask.shape[1]
-                kp, vp = self._gather(k_cache, v_cache, span.block_ids, meta.gather_buffer)
-                kp = kp.view(-1, self.num_kv_heads, self.head_dim)[:total]
-                vp = vp.view(-1, self.num_kv_heads, self.head_dim)[:total]
-                causal, mask = False, span.mask
-            o = F.scaled_dot_product_attention(
-                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
-            out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
-
-    @staticmethod
-    def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                buffer: GatherBuffer) -> tuple[torch.Tensor, torch.Tensor]:
-        k_out, v_out = buffer.take(k_cache, block_ids.shape[0])
-        return (torch.index_select(k_cache, 0, block_ids, out=k_out),
-                torch.index_select(v_cache, 0, block_ids, out=v_out))

@@ -26,7 +26,10 @@ class AdmittingScheduler(Protocol):
     running: list[Request]
     loaded: list[Request]
     loading: dict[str, tuple[int, list[int], int]]
-    waiting_for_connector: bool
+
+
+# admit's answer when the connector cannot tell yet what it can load for the request.
+ASK_AGAIN = -1
 
 
 def admit(scheduler: AdmittingScheduler, request: Request, budget: int, num_scheduled: dict[str, int],
@@ -34,7 +37,8 @@ def admit(scheduler: AdmittingScheduler, request: Request, budget: int, num_sche
     """Start the next waiting request: give it its first chunk, after a prefix-cache hit
     and whatever KV a connector loads for it. With an asynchronous load it takes the blocks
     of its whole prompt and waits for the load instead (returns 0). Returns the tokens it
-    takes from the budget, or None when it cannot start now."""
+    takes from the budget, None when it cannot start now, or ASK_AGAIN when the connector
+    cannot tell yet."""
     rid = request.request_id
     returning = bool(scheduler.loaded) and request is scheduler.loaded[0]
     hit_blocks, num_hit, num_external, load_async = [], 0, 0, False
@@ -46,8 +50,7 @@ def admit(scheduler: AdmittingScheduler, request: Request, budget: int, num_sche
                 and not request.skip_reading_prefix_cache):
             num_external, load_async = scheduler.connector.get_num_new_matched_tokens(request, num_hit)
             if num_external is None:
-                scheduler.waiting_for_connector = True
-                return None   # the connector cannot tell yet
+                return ASK_AGAIN
     load_async = load_async and num_external > 0
     num_computed = request.num_computed_tokens if returning else num_hit + num_external
     num_new = request.num_tokens - num_computed

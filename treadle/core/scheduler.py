@@ -21,7 +21,7 @@ import random
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.admission import admit
+from treadle.core.admission import ASK_AGAIN, admit
 from treadle.core.kv_load_recovery import settle_async_load, settle_kv_loads
 from treadle.core.waiting_queue import WaitingQueue
 from treadle.core.stats import SchedulerStats, SpecDecodingStats
@@ -64,9 +64,6 @@ class Scheduler:
         self._finished_in_flight: dict[str, int] = {}
         self._seed_rng = random.Random(seed)
         self._tenancies = itertools.count()   # Request.tenancy: never repeated
-        # Set by a schedule() in which the connector could not tell yet what it can load for
-        # the next waiting request: an empty step is then a wait, not a stall.
-        self.waiting_for_connector = False
         self._generator_seeds: dict[str, int] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
@@ -212,12 +209,13 @@ class Scheduler:
         # 2. Requests back from an asynchronous load (they hold every block they need, so they
         # start even in a step that had to preempt: requests holding blocks never wait behind
         # requests that need them), then waiting ones, unless this step had to preempt.
-        self.waiting_for_connector = False
+        waiting_for_connector = False
         while ((self.loaded or (not preempted and len(self.waiting))) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.loaded[0] if self.loaded else self.waiting.peek()
             num_new = admit(self, request, budget, num_scheduled, kv_loads, async_loads)
-            if num_new is None:
+            if num_new is None or num_new == ASK_AGAIN:
+                waiting_for_connector = num_new == ASK_AGAIN
                 break   # it cannot start now; the queue keeps its order
             budget -= num_new
             if num_new:
@@ -243,7 +241,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=spec_tokens, kv_loads=kv_loads,
-            async_kv_loads=async_loads, num_kv_transfers=self.num_kv_transfers())
+            async_kv_loads=async_loads, num_kv_transfers=self.num_kv_transfers(),
+            waiting_for_connector=waiting_for_connector)
         # An empty step never reaches the workers: keep the ids for the next one that does.
         if not out.is_empty:
             out.finished_req_ids, self._finished_ids = self._finished_ids, set()

@@ -59,6 +59,9 @@ class SchedulerOutput:
     # Requests whose blocks a connector still writes or reads (Scheduler.num_kv_transfers): a
     # step with no tokens still goes to the workers while there are any, to hear them done.
     num_kv_transfers: int = 0
+    # The connector could not tell yet what it can load for the next waiting request: an
+    # empty step is then a wait, not a stall.
+    waiting_for_connector: bool = False
 
     @property
     def is_empty(self) -> bool:

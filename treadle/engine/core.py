@@ -23,9 +23,10 @@ from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
 from treadle.engine.weights import ServedWeights
 from treadle.engine.worker_restart import restart_refusal, restart_workers
-from treadle.executor import create_executor
-from treadle.executor.mp import WorkerFailedError
+from treadle.executor.base import WorkerFailedError
+from treadle.executor.factory import create_executor
 from treadle.kv_transfer import KVConnectorRole, create_connector
+from treadle.models.loader import resolve_model
 from treadle.request import Request, RequestStatus
 from treadle.structured_output.gate import GrammarGate
 from treadle.structured_output.registry import get_backend
@@ -141,7 +142,7 @@ class EngineCore:
                 self.batch_queue.append((result, sched_out))
                 scheduled = True
             elif not self.batch_queue:
-                if self.scheduler.waiting_for_connector:
+                if sched_out.waiting_for_connector:
                     # The connector cannot tell yet what it can load for the next request.
                     time.sleep(CONNECTOR_RETRY_S)
                     return outputs
@@ -272,7 +273,12 @@ class EngineCore:
                                     lambda: self.weights.updated(named_tensors, weight_version))
 
     def load_weights(self, path: str, weight_version: Any = None) -> int:
-        """Reload every weight from a folder or GGUF of the same architecture."""
+        """Reload every weight from a folder, GGUF or Hub id of the same architecture.
+
+        A Hub id is resolved here, once, to its snapshot folder: the folder is what a worker
+        restart reloads and what the served weights' identity is stamped from.
+        """
+        path = resolve_model(path)
         return self._change_weights("load_weights", path,
                                     lambda: self.weights.loaded(path, weight_version))
 

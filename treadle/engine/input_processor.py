@@ -69,6 +69,9 @@ class InputProcessor:
         for t in params.stop_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
+        for t in params.logit_bias or ():
+            if t >= self.vocab_size:
+                raise ValueError(f"logit_bias names token {t}, outside the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:   # the engine's message, before the engine
             backend_class(self.config.structured_outputs.backend).validate(params.structured_outputs)
         max_len = self.config.model.max_model_len

@@ -25,7 +25,8 @@ ChatMessages = list[dict[str, Any]]
 class LLM:
     """Generate text for batches of prompts: `LLM(model=None, **engine_args)`.
 
-    With no model, the embedded SmolLM2-135M-Instruct is used.
+    `model`: a local HF folder or .gguf file, or a Hugging Face Hub id (`revision=` picks a
+    branch, tag or commit); with none, the embedded SmolLM2-135M-Instruct is used.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -109,7 +110,7 @@ class LLM:
         return self.engine.core.update_weights(named_tensors, weight_version)
 
     def load_weights(self, path: str, weight_version: Any = None) -> int:
-        """Reload every weight from an HF folder or GGUF of the same architecture."""
+        """Reload every weight from an HF folder, GGUF or Hub id of the same architecture."""
         return self.engine.core.load_weights(path, weight_version)
 
     def get_weight_version(self) -> Any:

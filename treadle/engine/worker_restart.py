@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from treadle.executor import create_executor
+from treadle.executor.factory import create_executor
 
 if TYPE_CHECKING:
     from treadle.config import TreadleConfig

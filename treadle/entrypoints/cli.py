@@ -58,31 +58,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from treadle import LLM
+    from treadle.entrypoints.chat import run_chat
 
-    params = sampling_params_from(ns)
-    llm = LLM(**engine_args_from(ns))
-    history: list[dict[str, str]] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    sys.stdout.write("treadle chat: type a message; /reset clears the conversation, /exit quits.\n")
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            sys.stdout.write("\n")
-            return 0
-        if line in ("/exit", "/quit"):
-            return 0
-        if line == "/reset":
-            del history[int(bool(ns.system)):]
-            continue
-        if not line:
-            continue
-        history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-        history.append({"role": "assistant", "content": reply})
-        sys.stdout.write(reply + "\n")
+    return run_chat(engine_args_from(ns), sampling_params_from(ns), ns.system)
 
 
 def _tree_size(path: str) -> int:
@@ -115,8 +93,23 @@ def _cache_entries(ns: argparse.Namespace) -> list[tuple[str, str, str]]:
     return entries
 
 
+def _hub_entries() -> list[tuple[str, str, str]]:
+    """(kind, path, description) of the models in the Hugging Face cache (HF_HUB_CACHE)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        repos = scan_cache_dir().repos
+    except CacheNotFound:
+        return []
+    return [("hub", str(repo.repo_path), f"{repo.repo_id}, {len(repo.revisions)} revision(s)")
+            for repo in sorted(repos, key=lambda r: r.repo_id) if repo.repo_type == "model"]
+
+
 def cmd_cache(ns: argparse.Namespace) -> int:
     entries = _cache_entries(ns)
+    if ns.cache_command == "list" and not (ns.gguf or ns.kernels):
+        entries += _hub_entries()   # listed only: `hf cache rm` removes them
     total = 0
     for kind, path, description in entries:
         size = _tree_size(path)
@@ -147,8 +140,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                          f"({', '.join(tool_parser_names())})")
     sock = bind_socket(ns.host, ns.port)
     from treadle.entrypoints.openai.server import run_server   # the web stack: seconds
-    # A server's startup and request logs are its normal output, so they show without -v.
-    logging.getLogger("treadle.entrypoints.openai").setLevel(logging.INFO)
+    # A server's start-up stages (the engine's too) and request logs are its normal output, so
+    # they show without -v.
+    logging.getLogger("treadle").setLevel(logging.INFO)
     return run_server(ns, engine_args_from(ns), sock)
 
 
@@ -184,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat REPL")
+    chat = sub.add_parser("chat", help="interactive chat REPL, streaming each reply",
+                          description="Chat with the model, each reply streamed as it comes. "
+                                      "/help in the chat lists its commands; Ctrl-C stops a "
+                                      "reply, Ctrl-D leaves.")
     chat.add_argument("--system", default=None, help="system prompt")
     add_engine_args(chat)
     add_sampling_args(chat)
@@ -215,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         "cache", help="list or remove cached GGUF conversions and CPU kernel builds",
         description="GGUF conversions live in $TREADLE_CACHE_DIR/gguf (default ~/.cache/treadle), "
                     "CPU kernel builds in $TREADLE_KERNEL_DIR (default the cache's kernels/). "
-                    "Both are rebuilt on demand.")
+                    "Both are rebuilt on demand. `list` also shows the models in the Hugging "
+                    "Face cache, which `clean` leaves to `hf cache rm`.")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     for name, text in (("list", "show cached entries and their sizes"),
                        ("clean", "remove cached entries (all, unless --gguf or --kernels)")):

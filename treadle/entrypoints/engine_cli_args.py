@@ -9,6 +9,9 @@ from typing import Any
 from treadle.config import EngineArgs
 
 _ENGINE_HELP = {
+    "revision": "a Hub model's branch, tag or commit (default: main)",
+    "download_dir": "the Hugging Face cache to download Hub models into and find them in "
+                    "(default: HF_HUB_CACHE)",
     "dtype": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)",
     "quantization": "int8: weight-only int8; gguf: a .gguf model's own Q4_0/Q4_1/Q8_0 blocks "
                     "(both for batch-1 latency; CPU, float32; opt-in)",
@@ -17,12 +20,15 @@ _ENGINE_HELP = {
                      "TREADLE_ALLOW_LONG_MAX_MODEL_LEN=1)",
     "block_size": "tokens per KV-cache block (default: 128 on CPU, as vLLM-CPU; 16 on GPU)",
     "num_kv_blocks": "number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "KV-cache budget in bytes (default: sized to this machine)",
+    "kv_cache_memory_bytes": "KV-cache budget in bytes (default on CPU: what max_num_seqs "
+                             "sequences of max_model_len tokens use, at most 2 GiB and a quarter "
+                             "of the available memory)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "scheduling_policy": "fcfs | priority",
     "seed": "engine seed for requests that bring none",
     "device": "cpu | cuda (default: cuda when available)",
+    "attention_backend": "cpu (the C++ kernels) | torch (default: the fastest for the device)",
     "pipeline_parallel_size": "pipeline stages (worker processes split the layers)",
     "tensor_parallel_size": "tensor-parallel ranks per stage (they split the heads)",
     "distributed_executor_backend": "uni | mp (default: uni with one worker, else mp)",
@@ -35,12 +41,14 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     group = parser.add_argument_group("engine")
     if with_model:
         group.add_argument("--model", default=None,
-                           help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+                           help="HF folder, .gguf file or Hugging Face Hub id, e.g. "
+                                "Qwen/Qwen3-0.6B (default: embedded SmolLM2-135M-Instruct)")
     defaults = EngineArgs()
     for name, text in _ENGINE_HELP.items():
         default = getattr(defaults, name)
-        kind = (str if name in ("dtype", "quantization", "scheduling_policy", "device",
-                                "distributed_executor_backend") else int)
+        kind = (str if name in ("revision", "download_dir", "dtype", "quantization",
+                                "scheduling_policy", "device",
+                                "attention_backend", "distributed_executor_backend") else int)
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                            help=f"{text} [default: {default}]")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",

@@ -28,8 +28,8 @@ import zmq
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import INIT_TIMEOUT, output_rank
-from treadle.engine.errors import EngineDeadError
-from treadle.executor.mp_worker import SHUTDOWN, RemoteError, dumps, worker_main
+from treadle.executor.base import Executor
+from treadle.executor.mp_worker import SHUTDOWN, dumps, worker_main
 from treadle.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 # How long a failed step waits for another rank's death to show, before blaming the step.
 DEATH_GRACE_S = 1.0
-
-
-class WorkerFailedError(EngineDeadError):
-    """A worker process died or failed a step: the worker group is gone."""
 
 
 class PendingStep:
@@ -53,12 +49,9 @@ class PendingStep:
         return self._executor._wait(self._call_id, [self._executor.output_rank])[0]
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     def __init__(self, config: TreadleConfig) -> None:
-        parallel = config.parallel
-        self.world_size = parallel.world_size
-        self.output_rank = output_rank(parallel)
-        self._dead: str | None = None
+        self.output_rank = output_rank(config.parallel)
         self._next_call = 1
         self._replies: dict[tuple[int, int], tuple[bool, Any]] = {}
         # Control calls waiting for replies: an error in one is the caller's (bad weights), while
@@ -73,50 +66,49 @@ class MultiprocExecutor:
         # An executor never shut down (its engine dropped, or the interpreter exiting) still
         # kills its workers and removes its socket's folder.
         self._finalizer = weakref.finalize(self, _clean_up, self.procs, self._ipc_dir)
-        try:
-            self._store = _host_store(parallel.master_port, self.world_size)
-            # Each worker gets an equal share of the cores, unless OMP_NUM_THREADS says.
-            threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(
-                1, (os.cpu_count() or 1) // self.world_size)
-            spawn = multiprocessing.get_context("spawn")
-            for rank in range(self.world_size):
-                proc = spawn.Process(
-                    target=worker_main, name=f"treadle-worker-{rank}", daemon=True,
-                    args=(rank, config, f"ipc://{self._ipc_dir}/engine", self._store.port,
-                          os.getpid(), threads))
-                proc.start()
-                self.procs.append(proc)
-            self._poller = zmq.Poller()
-            self._poller.register(self._sock, zmq.POLLIN)
-            for proc in self.procs:   # a process's sentinel becomes readable when it ends
-                self._poller.register(proc.sentinel, zmq.POLLIN)
-            self.num_blocks = min(self._wait(0, range(self.world_size), starting=True))
-            self.collective_rpc("init_kv_cache", (self.num_blocks,))
-        except BaseException:
-            self.shutdown()
-            raise
+        self._store: dist.TCPStore | None = None
+        super().__init__(config)
+
+    def _start_workers(self, config: TreadleConfig) -> list[int]:
+        """Spawn a process per rank; each reports its block count (call 0) once it has loaded."""
+        parallel = config.parallel
+        self._store = _host_store(parallel.master_port, self.world_size)
+        # Each worker gets an equal share of the cores, unless OMP_NUM_THREADS says.
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(
+            1, (os.cpu_count() or 1) // self.world_size)
+        spawn = multiprocessing.get_context("spawn")
+        for rank in range(self.world_size):
+            proc = spawn.Process(
+                target=worker_main, name=f"treadle-worker-{rank}", daemon=True,
+                args=(rank, config, f"ipc://{self._ipc_dir}/engine", self._store.port,
+                      os.getpid(), threads))
+            proc.start()
+            self.procs.append(proc)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        for proc in self.procs:   # a process's sentinel becomes readable when it ends
+            self._poller.register(proc.sentinel, zmq.POLLIN)
+        num_blocks = self._wait(0, range(self.world_size), starting=True)
         logger.info("mp executor: %d workers (pp=%d, tp=%d), %d threads each", self.world_size,
                     parallel.pipeline_parallel_size, parallel.tensor_parallel_size, threads)
+        return num_blocks
 
     # -- calls -------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: bool = False) -> ModelRunnerOutput | PendingStep:
+    def _execute_model(self, scheduler_output: SchedulerOutput,
+                       non_block: bool) -> ModelRunnerOutput | PendingStep:
         call_id = self._send("execute_model", (scheduler_output,), {},
                              reply_from={self.output_rank})
         pending = PendingStep(self, call_id)
         return pending if non_block else pending.result()
 
-    def warm_grammar(self, params: StructuredOutputsParams) -> None:
+    def _warm_grammar(self, params: StructuredOutputsParams) -> None:
         """Tell every worker a request's grammar as the request arrives, so that the ranks that
         sample compile it before its first step. No reply is awaited."""
-        if self._dead is None:
-            self._send("warm_grammar", (params,), {}, reply_from=set())
+        self._send("warm_grammar", (params,), {}, reply_from=set())
 
-    def collective_rpc(self, method: str | Callable, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Run `method` on every worker (a Worker method name, or a module-level callable taking
-        the worker); returns the results in rank order."""
-        call_id = self._send(method, args, kwargs or {}, reply_from=set(range(self.world_size)))
+    def _collective_rpc(self, method: str | Callable, args: tuple,
+                        kwargs: dict[str, Any]) -> list[Any]:
+        call_id = self._send(method, args, kwargs, reply_from=set(range(self.world_size)))
         self._control_calls.add(call_id)
         try:
             return self._wait(call_id, range(self.world_size))
@@ -125,7 +117,6 @@ class MultiprocExecutor:
 
     def _send(self, method: str | Callable, args: tuple, kwargs: dict,
               reply_from: set[int]) -> int:
-        self._check_alive()
         call_id, self._next_call = self._next_call, self._next_call + 1
         message = dumps((call_id, method, args, kwargs))
         for rank in range(self.world_size):
@@ -160,7 +151,8 @@ class MultiprocExecutor:
                 if proc.exitcode is not None and proc.exitcode < 0:
                     self._fail(f"worker rank {peer} died (exit code {proc.exitcode})")
             what = "failed to start" if starting else "failed a step"
-            self._fail(f"worker rank {rank} {what}: {value.kind}: {value.message}", value)
+            self._fail(f"worker rank {rank} {what}: {value.kind}: {value.message}",
+                       value.traceback)
         self._replies[(call_id, rank)] = (ok, value)
 
     def _reap_peers_of(self, rank: int) -> list[tuple[int, multiprocessing.Process]]:
@@ -176,64 +168,44 @@ class MultiprocExecutor:
         return peers
 
     def _check_processes(self) -> None:
-        for rank, proc in enumerate(self.procs):
-            if proc.exitcode is not None:
-                self._fail(f"worker rank {rank} died (exit code {proc.exitcode})")
+        reason = self._find_failure()
+        if reason is not None:
+            self._fail(reason)
 
-    def _fail(self, reason: str, error: RemoteError | None = None) -> None:
-        logger.error("%s%s", reason, f"\n{error.traceback}" if error is not None else "")
-        self._dead = reason
-        self._kill_workers()
-        raise WorkerFailedError(reason)
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise WorkerFailedError(self._dead)
-
-    # -- shutdown ----------------------------------------------------------------------
-    def failure(self) -> str | None:
-        """Why the worker group is gone, or None while every worker lives. Changes nothing, so
-        any thread may ask."""
-        if self._dead is not None:
-            return self._dead
+    def _find_failure(self) -> str | None:
         for rank, proc in enumerate(self.procs):
             if proc.exitcode is not None:
                 return f"worker rank {rank} died (exit code {proc.exitcode})"
         return None
 
-    def shutdown(self) -> None:
-        """Ask the workers to exit, kill any that do not, and free the sockets. Idempotent."""
-        if self._sock.closed:
-            return
-        if self._dead is None and self.procs and all(p.is_alive() for p in self.procs):
+    # -- shutdown ----------------------------------------------------------------------
+    def _close(self, graceful: bool) -> None:
+        """Ask the workers to exit (while all are healthy), kill any that do not, and free the
+        sockets."""
+        if graceful and self.procs:
             try:
                 for rank in range(self.world_size):
                     self._sock.send_multipart(
                         [str(rank).encode(), b"1", dumps((-1, SHUTDOWN, (), {}))], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S   # one grace period for them all
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self._dead = self._dead or "the executor was shut down"
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S   # one grace period for them all
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        self._finalizer()   # kills any worker left, and removes the socket's folder
         self._store = None   # frees its port, for a worker group that replaces this one
         self._sock.close(0)
         self._zmq.term()
-        self._finalizer()
-
-    def _kill_workers(self) -> None:
-        _clean_up(self.procs, None)
 
 
-def _clean_up(procs: list[multiprocessing.Process], ipc_dir: str | None) -> None:
+def _clean_up(procs: list[multiprocessing.Process], ipc_dir: str) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.kill()
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    if ipc_dir is not None:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def _host_store(port: int | None, world_size: int) -> dist.TCPStore:

@@ -8,7 +8,7 @@ The wire, over ZeroMQ (a DEALER here, the engine's ROUTER there):
   worker -> engine: the pickled (call_id, rank, ok, result): the result, or a RemoteError.
 Call 0 is start-up: every rank reports its KV block count, or why it could not start.
 
-A worker exits when told to, and on its own when its parent is gone (a parent killed with
+A worker exits when told to (at once, with code 0), and on its own when its parent is gone (a parent killed with
 SIGKILL runs no clean-up), so no worker outlives the engine.
 """
 
@@ -20,6 +20,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -86,6 +87,12 @@ def worker_main(rank: int, config: TreadleConfig, address: str, store_port: int,
     _serve(rank, worker, sock)
     sock.close()
     context.term()
+    # Skip the interpreter's teardown: collecting every object of torch, the model and the
+    # tokenizer takes seconds, past the engine's SHUTDOWN_GRACE_S, and then the worker is killed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _start(rank: int, config: TreadleConfig, store_port: int):

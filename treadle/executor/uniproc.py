@@ -6,6 +6,11 @@ Every other call to the worker goes through the same thread, after the steps bef
 worker is built there too: each thread that runs torch's parallel CPU ops gets an OpenMP team of
 its own, and a second, idle team (the loader's) makes libgomp stop spinning at barriers
 (engine/core_thread.py has the measurement).
+
+The worker shares this process, so its failures are raised where they happen, as their own
+type, and leave no failure state here: a failed step ends the engine (EngineCore turns any
+step's error into EngineDeadError), and there is no group to replace (`max_worker_restarts`
+does nothing with this executor). Only shutdown ends it.
 """
 
 from __future__ import annotations
@@ -16,49 +21,48 @@ from typing import Any, Callable
 
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from treadle.executor.base import Executor
 from treadle.structured_output.params import StructuredOutputsParams
 from treadle.worker.malloc import keep_freed_memory
 from treadle.worker.worker import Worker
 
 
-class UniProcExecutor:
+class UniProcExecutor(Executor):
     def __init__(self, config: TreadleConfig) -> None:
         if config.device.startswith("cpu"):
             keep_freed_memory()   # before the worker thread's first allocation picks its arena
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="treadle-worker")
                         if config.scheduler.async_scheduling else None)
+        super().__init__(config)
+
+    def _start_workers(self, config: TreadleConfig) -> list[int]:
         self.worker = self._on_worker_thread(_build_worker, config)
-        self.num_blocks = self._on_worker_thread(self.worker.determine_num_blocks)
-        self._on_worker_thread(self.worker.init_kv_cache, self.num_blocks)
+        return [self._on_worker_thread(self.worker.determine_num_blocks)]
 
     def _on_worker_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if self._thread is None:
             return fn(*args, **kwargs)
         return self._thread.submit(fn, *args, **kwargs).result()
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: bool = False) -> ModelRunnerOutput | Future:
+    def _execute_model(self, scheduler_output: SchedulerOutput,
+                       non_block: bool) -> ModelRunnerOutput | Future:
         if self._thread is None:
             return self.worker.execute_model(scheduler_output)
         future = self._thread.submit(self.worker.execute_model, scheduler_output)
         return future if non_block else future.result()
 
-    def warm_grammar(self, params: StructuredOutputsParams) -> None:
+    def _warm_grammar(self, params: StructuredOutputsParams) -> None:
         """Nothing to do: the worker shares this process's grammar backend, whose cache the
         engine core's own compile fills."""
 
-    def collective_rpc(self, method: str | Callable, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Run `method` on every worker (a Worker method name, or a callable taking the worker)."""
+    def _collective_rpc(self, method: str | Callable, args: tuple,
+                        kwargs: dict[str, Any]) -> list[Any]:
         fn = (getattr(self.worker, method) if isinstance(method, str)
               else functools.partial(method, self.worker))
-        return [self._on_worker_thread(fn, *args, **(kwargs or {}))]
+        return [self._on_worker_thread(fn, *args, **kwargs)]
 
-    def failure(self) -> str | None:
-        """None: the worker lives in this process, and its failures are raised where they happen."""
-        return None
-
-    def shutdown(self) -> None:
+    def _close(self, graceful: bool) -> None:
+        """Steps already submitted finish first: the worker cannot be killed, only left."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from treadle.attention.torch_backend import AttentionMetadata
+from treadle.attention.backend import AttentionMetadata
+from treadle.attention.cpu_backend import CpuKernelMetadata
 from treadle.models import linear
 from treadle.models.gguf_weights import GgufWeight
 from treadle.models.linear import Linear
@@ -53,12 +54,12 @@ def _add_linear(stack: torch.ScriptObject, lin: Linear) -> None:
 
 def serves(meta: AttentionMetadata) -> bool:
     """Whether the stack runs this step: its attention runs in the C++ kernels."""
-    return meta.native_kernels
+    return isinstance(meta, CpuKernelMetadata)
 
 
 def forward(stack: torch.ScriptObject, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-    decode, prefill = meta.native_decode, meta.native_prefill
+            kv_caches: list[torch.Tensor], meta: CpuKernelMetadata) -> torch.Tensor:
+    decode, prefill = meta.decodes, meta.prefills
     decodes = (decode.block_table, decode.seq_lens) if decode else (None, None)
     chunks = (prefill.block_table, prefill.query_start, prefill.context_lens) if prefill else (None, None, None)
     return stack.forward(h, cos, sin, kv_caches, meta.slot_mapping, *decodes, *chunks)

@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from treadle.attention.torch_backend import AttentionMetadata, TorchAttention
+from treadle.attention.backend import AttentionMetadata, PagedAttention
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.kernels import hugepages
 from treadle.models import gguf_weights, layer_stack, linear
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         self.o_proj = row_linear(self.q_size, config.hidden_size, o_bias, ctx)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = TorchAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]

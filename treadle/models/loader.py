@@ -1,4 +1,5 @@
-"""Find and read models: a Hugging Face folder (safetensors) or a single GGUF file.
+"""Find and read models: a Hugging Face folder (safetensors) or a single GGUF file, local or
+fetched by Hub id (models/hub.py).
 
 Weights come out under transformers' parameter names as float32 CPU tensors, so every model
 class loads from either source the same way.
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
+
+from treadle.models import hub
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -49,8 +52,13 @@ def default_model_path() -> str:
     return files[0]
 
 
-def resolve_model(model: str | None) -> str:
-    """A local model path: a folder with config.json, or a .gguf file (None: the embedded one)."""
+def resolve_model(model: str | None, revision: str | None = None,
+                  download_dir: str | None = None) -> str:
+    """A local model path: a folder with config.json, or a .gguf file (None: the embedded one).
+
+    A Hub id (`org/name`, or `org/name/file.gguf`) becomes its snapshot in the Hugging Face cache,
+    downloaded if need be (models/hub.py); a local path of the same spelling wins.
+    """
     if model is None:
         return default_model_path()
     path = os.path.expanduser(str(model))
@@ -60,13 +68,21 @@ def resolve_model(model: str | None) -> str:
         return path
     if is_gguf(path):
         return path
-    raise ValueError(f"model {model!r} is neither a local folder with config.json nor a .gguf "
-                     "file (downloading from a model hub is not supported)")
+    if not hub.is_hub_id(path):
+        raise ValueError(f"model {model!r} is neither a local folder with config.json, nor a "
+                         ".gguf file, nor a Hugging Face hub id (org/name)")
+    path = hub.download_model(path, revision, download_dir)
+    if not is_gguf(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model {model!r} on the Hub has no config.json; for a GGUF repository, "
+                         f"name one of its files: {model}/FILE.gguf")
+    return path
 
 
-def prepare_model(model: str | None) -> str:
-    """The folder (or file) the engine loads: a GGUF is converted to a cached HF folder once."""
-    path = resolve_model(model)
+def prepare_model(model: str | None, revision: str | None = None,
+                  download_dir: str | None = None) -> str:
+    """The folder (or file) the engine loads: a Hub id is fetched (or found in the Hub cache)
+    and a GGUF converted to a cached HF folder, once each."""
+    path = resolve_model(model, revision, download_dir)
     return gguf_as_folder(path) if is_gguf(path) else path
 
 

@@ -15,12 +15,14 @@ compiled on the step, as it was before.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
 from typing import Any, Callable
 
 from treadle.structured_output.backend import GrammarBackend
+from treadle.structured_output.compile_thread import compile_on_thread
 from treadle.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -42,15 +44,15 @@ class CompileAhead:
                 return
             future: concurrent.futures.Future = concurrent.futures.Future()
             self._running[params.key] = future
-        # Not a daemon: a grammar engine's C++ thread still running at exit aborts the process.
-        threading.Thread(target=self._compile, args=(params, future),
-                         name="treadle-grammar-ahead").start()
+        compile_on_thread(self._get_backend, params, "treadle-grammar-ahead",
+                          functools.partial(self._compiled, params, future))
 
-    def _compile(self, params: StructuredOutputsParams, future: concurrent.futures.Future) -> None:
-        try:
-            future.set_result(self._get_backend().compile(params))
-        except Exception as e:   # raised again by compiled(), on the step that needs it
-            future.set_exception(e)
+    def _compiled(self, params: StructuredOutputsParams, future: concurrent.futures.Future,
+                  compiled: Any, error: Exception | None) -> None:
+        if error is None:
+            future.set_result(compiled)
+        else:   # raised again by compiled(), on the step that needs it
+            future.set_exception(error)
         with self._lock:
             del self._running[params.key]
 

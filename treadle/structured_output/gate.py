@@ -16,6 +16,7 @@ past that, compiles wait their turn, and their timeout, counted from arrival, st
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import heapq
 import itertools
 import logging
@@ -27,6 +28,7 @@ from typing import Callable
 
 from treadle.request import Request
 from treadle.structured_output.backend import GrammarBackend, GrammarError
+from treadle.structured_output.compile_thread import compile_on_thread
 from treadle.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -91,16 +93,13 @@ class GrammarGate:
             future.set_running_or_notify_cancel()
             self._counted.add(future)
             self._num_threads += 1
-            # Not a daemon: the interpreter's exit waits for it, as a grammar engine's C++ thread
-            # still running when the process exits aborts it.
-            threading.Thread(target=self._compile, args=(future, params),
-                             name=f"treadle-grammar-{request_id}").start()
+            compile_on_thread(self._get_backend, params, f"treadle-grammar-{request_id}",
+                              functools.partial(self._compiled, future))
 
-    def _compile(self, future: concurrent.futures.Future, params: StructuredOutputsParams) -> None:
-        try:
-            compiled, error = self._get_backend().compile(params), None
-        except Exception as e:   # the request's error, reported by take_compiled
-            compiled, error = None, e
+    def _compiled(self, future: concurrent.futures.Future, compiled: object,
+                  error: Exception | None) -> None:
+        """A compile ended (on its thread): its request's future gets the result or the error,
+        which take_compiled reports."""
         with self._lock:
             self._num_threads -= 1
             self._counted.discard(future)

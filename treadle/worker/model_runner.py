@@ -9,19 +9,17 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from treadle.attention.torch_backend import GatherBuffer, build_metadata
+from treadle.attention.backend import AttentionMetadata, create_attention_backend
 from treadle.config import TreadleConfig, max_steps_in_flight
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.distributed.pipeline import StageLink
-from treadle.kernels import hugepages
-from treadle.kernels.cpu import cpu_kernels_available
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
 from treadle.models import linear
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.grammar import GrammarMatchers
-from treadle.worker.malloc import keep_freed_memory
+from treadle.worker.device import worker_device
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
 from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
@@ -44,14 +42,13 @@ class ModelRunner:
         self.num_blocks = 0
         self._weights_discarded = False   # by sleep(level=2), until a full load
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()   # activations: from the heap, not the kernel, every layer
+        self.on_device = worker_device(self.device)
+        self.native_kernels = self.on_device.native_kernels
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.gather_buffer = GatherBuffer()
-        self.native_kernels = cpu_kernels_available(self.device)
+        self.attention = create_attention_backend(config.attention_backend, self.device, self.block_size)
         self.slots: RequestSlots | None = None
         self.grammars: GrammarMatchers | None = None   # where this rank samples
         self.sampler = Sampler(self.device)
@@ -67,8 +64,8 @@ class ModelRunner:
         model_cls = get_model_class(cfg.hf_config)
         # Built without initial values: the strict load below sets every parameter, so a
         # random init would be wasted (about a second of start-up for SmolLM2).
-        # The parameters get their dtype while still on meta, then their memory (in huge pages
-        # on CPU), and the load converts each tensor as it copies it in: one copy in all.
+        # The parameters get their dtype while still on meta, then their memory (the device's:
+        # in huge pages on CPU), and the load converts each tensor as it copies it in: one copy in all.
         with torch.device("meta"):
             model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len, ctx=self.ctx)
         self.model = model.to(dtype=self.dtype).eval()
@@ -76,6 +73,8 @@ class ModelRunner:
         model.to_empty(device=self.device)   # the buffers; the parameters get theirs next
         self._materialize_weights()
         model.load_weights(iter_hf_weights(cfg.model))
+        logger.info("read the weights in %.1fs; packing and warming the kernels",
+                    time.perf_counter() - start)
         # RoPE tables are computed, not loaded, and stay fp32, as in transformers.
         self.model.model.rotary.compute_tables()
         self.model.quantization = cfg.quantization
@@ -97,7 +96,9 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         cfg = self.config.model
         self.num_blocks = num_blocks
+        start = time.perf_counter()
         self._allocate_kv_cache()
+        logger.info("allocated %d KV blocks in %.1fs", num_blocks, time.perf_counter() - start)
         max_blocks_per_req = -(-cfg.max_model_len // self.block_size)
         self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
                                   max_blocks_per_req)
@@ -113,20 +114,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         cfg = self.config.model
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        # Zeroed up front, as vLLM does: the torch path reads whole blocks and masks the slots
-        # past a sequence's end, which must then be finite (0 * NaN = NaN); and a page touched
-        # now is not page-faulted in a step. Left to the first write, a 288-token fp32 prompt
-        # paid 13 ms of faults on a fresh server, and memory a VM had never backed cost up to
-        # 2.6 s/GB there (docs/performance-log.md). Start-up pays about 0.25 s/GB instead.
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            # bf16 K/V in huge pages (kernels/hugepages.py): decode attention read it 25-40%
-            # faster in the engine. fp32 stays in 4 KiB pages: its attention alone read them
-            # only 4% faster there, and no step or offline run gained (docs/performance-log.md,
-            # "huge pages, again").
-            self.kv_caches = [c.zero_() for c in hugepages.carve([(shape, self.dtype)] * len(self.layers))]
-        else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                              for _ in self.layers]
+        self.kv_caches = self.on_device.zeros([(shape, self.dtype)] * len(self.layers))
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
 
@@ -198,8 +186,7 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
         token_slot = np.repeat(idx, q_lens)
         input_ids = slots.token_ids[token_slot, positions]
-        meta = build_metadata(q_lens, ctx, positions, slots.block_table[idx], self.block_size, self.device,
-                              self.gather_buffer, self.native_kernels)
+        meta = self.attention.build_metadata(q_lens, ctx, positions, slots.block_table[idx])
 
         hidden = self._forward(input_ids, positions, meta)
 
@@ -252,7 +239,8 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs, draft_token_ids=draft_token_ids,
                                  request_errors=request_errors)
 
-    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, meta) -> torch.Tensor:
+    def _forward(self, input_ids: np.ndarray, positions: np.ndarray,
+                 meta: AttentionMetadata) -> torch.Tensor:
         """This stage's part of the model; hidden states come from the stage before and go to
         the stage after."""
         hidden_in = None
@@ -364,35 +352,28 @@ class ModelRunner:
         self.kv_caches = []
         if self.connector is not None:   # its hold on the cache would keep the memory
             self.connector.register_kv_caches([])
-        self.gather_buffer = GatherBuffer()
+        self.attention.release()
         if level >= 2:
             self.model.unpack_weights()
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             self._weights_discarded = True
-        elif self.device.type != "cpu":
-            self.model.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        else:
+            self.on_device.offload(self.model)
+        self.on_device.release_cached_memory()
 
     def wake_up(self, tags: list[str]) -> None:
         if "weights" in tags:
             if self._weights_discarded:
                 raise RuntimeError("sleep(level=2) discarded the weights: call load_weights or "
                                    "update_weights with every weight before wake_up")
-            self.model.to(self.device)
+            self.on_device.reload(self.model)
         if "kv_cache" in tags and not self.kv_caches:
             self._allocate_kv_cache()
 
     def _materialize_weights(self) -> None:
-        """Uninitialised memory for every parameter, for a load to fill: on CPU side by side in
-        huge pages (kernels/hugepages.py), where decode streams them at a few rows, and a tied
-        head's at every step."""
+        """Uninitialised memory for every parameter, for a load to fill."""
         named = list(self.model.named_parameters())
-        specs = [(self._param_shapes[name], param.dtype) for name, param in named]
-        if self.device.type == "cpu":
-            memory = hugepages.carve(specs)
-        else:
-            memory = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
+        memory = self.on_device.empty([(self._param_shapes[name], param.dtype) for name, param in named])
         for (_, param), data in zip(named, memory):
             param.data = data

@@ -1,5 +1,5 @@
-"""Turns logits into tokens: penalties, min_tokens, grammar masks, temperature,
-top-k/top-p/min-p, logprobs.
+"""Turns logits into tokens: logit_bias, min_tokens, penalties, grammar masks, temperature,
+top-k/top-p/min-p, logprobs (of the raw logits, before any of these, as vLLM's default).
 
 Randomness is positional: the noise for a request's k-th output token comes from a generator
 seeded with (request seed, k). A seeded request therefore samples the same tokens whatever else
@@ -41,11 +41,30 @@ def _has_penalties(p: SamplingParams) -> bool:
 
 
 def _argmax_only(row: SamplingRow) -> bool:
-    """Greedy, with nothing that edits the row's logits (min_tokens still to reach, a penalty)
-    or reads its log-probabilities."""
+    """Greedy, with nothing that edits the row's logits (a bias, min_tokens still to reach, a
+    penalty) or reads its log-probabilities."""
     p = row.params
     return (p.temperature < 1e-5 and p.logprobs is None and len(row.output_ids) >= p.min_tokens
-            and not _has_penalties(p))
+            and not _has_penalties(p) and not p.logit_bias)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Adds each row's logit_bias to its logits in place, all rows in one index_put_."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            row_ids += [i] * len(bias)
+            token_ids += bias.keys()
+            biases += bias.values()
+    if not row_ids:
+        return
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device),
+                      accumulate=True)
 
 
 class Sampler:
@@ -76,7 +95,9 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in num_logprobs) else None)
 
-        # `logits` is this step's own tensor, so penalties may edit it in place.
+        # `logits` is this step's own tensor, so it may be edited in place. The order is vLLM's:
+        # logit_bias and min_tokens, then penalties.
+        apply_logit_bias(logits, rows)
         for i, row in enumerate(rows):
             self._apply_min_tokens(logits[i], row)
             self._apply_penalties(logits[i], row)

@@ -42,7 +42,7 @@ def positive_int(text: str) -> int:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="HF folder or .gguf file (same as --model)")
+                        help="HF folder, .gguf file or Hugging Face Hub id (same as --model)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind [default: 127.0.0.1]")
     g.add_argument("--port", type=port_number, default=8000,
@@ -52,7 +52,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "[default: MODEL as given, or SmolLM2-135M-Instruct]")
     g.add_argument("--api-key", default=os.environ.get("TREADLE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "[default: $TREADLE_API_KEY, else none]")
+                        "and /metrics [default: $TREADLE_API_KEY, else none]")
+    g.add_argument("--metrics-require-api-key", action="store_true",
+                   help="with --api-key, require it on /metrics too (Prometheus then needs "
+                        "the key: its scrape config's authorization) [default: /metrics is "
+                        "open, as in vLLM]")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each request (prompts, sampling params) and each disconnect at INFO "
                         "[default: off; they log at DEBUG]")

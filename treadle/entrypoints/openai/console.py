@@ -2,7 +2,9 @@
 step, no CDN), plus the JSON they poll, `/v1/engine/status`.
 
 The page holds nothing secret, so it loads without the API key; everything it asks of the
-server goes through the ordinary endpoints, which still need the key when one is set.
+server goes through the ordinary endpoints, which still need the key when one is set. Open
+besides: the icon, and `/console/config`, whether a key is needed (a 401 says as much), so that
+a page without one asks for it instead of collecting 401s.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from fastapi.responses import FileResponse
 from treadle.engine.async_llm import AsyncLLM
 
 STATIC = Path(__file__).with_name("static")
-ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
+ASSETS = {"console.js": "text/javascript", "console.css": "text/css",
+          "favicon.svg": "image/svg+xml"}
 HISTORY_SECONDS = 300   # how far back the throughput and TTFT charts go
 SAMPLE_EVERY_S = 1.0
 
@@ -56,7 +59,8 @@ class History:
             await asyncio.sleep(SAMPLE_EVERY_S)
 
 
-def add_console(app: FastAPI, engine: AsyncLLM, serve_page: bool) -> contextlib.AbstractAsyncContextManager:
+def add_console(app: FastAPI, engine: AsyncLLM, serve_page: bool,
+                api_key_required: bool) -> contextlib.AbstractAsyncContextManager:
     """Add the status endpoint, and the page unless `serve_page` is False; returns a context
     that samples the history while the app runs."""
     history = History(engine)
@@ -73,11 +77,21 @@ def add_console(app: FastAPI, engine: AsyncLLM, serve_page: bool) -> contextlib.
         async def page() -> FileResponse:
             return FileResponse(STATIC / "index.html", media_type="text/html")
 
+        # Before /console/{name}, which would take it for an asset.
+        @app.get("/console/config", include_in_schema=False)
+        async def config() -> dict[str, bool]:
+            return {"api_key_required": api_key_required}
+
         @app.get("/console/{name}", include_in_schema=False)
         async def asset(name: str) -> FileResponse:
             if name not in ASSETS:
                 raise HTTPException(404, f"no console asset {name!r}")
             return FileResponse(STATIC / name, media_type=ASSETS[name])
+
+        # Browsers ask for it on any page without an icon link: a JSON endpoint opened in a tab.
+        @app.get("/favicon.ico", include_in_schema=False)
+        async def favicon() -> FileResponse:
+            return FileResponse(STATIC / "favicon.svg", media_type=ASSETS["favicon.svg"])
 
     @contextlib.asynccontextmanager
     async def sampling() -> AsyncIterator[None]:
@@ -93,5 +107,6 @@ def add_console(app: FastAPI, engine: AsyncLLM, serve_page: bool) -> contextlib.
 
 
 def is_public(path: str) -> bool:
-    """The page and its assets: served without the API key."""
-    return path == "/" or (path.startswith("/console/") and path[len("/console/"):] in ASSETS)
+    """The page, its assets, its config and the icon: served without the API key."""
+    return (path in ("/", "/favicon.ico", "/console/config")
+            or (path.startswith("/console/") and path[len("/console/"):] in ASSETS))

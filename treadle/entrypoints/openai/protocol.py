@@ -2,12 +2,18 @@
 
 Ranges are checked by `SamplingParams` (its ValueError names the field and becomes a 400);
 the models here only fix types, plus bounds that keep absurd integers away from the engine.
+
+Every field a request may send is declared here, or listed in its model's `unsupported`: a
+field OpenAI or vLLM defines that treadle does not implement, refused (400) unless it holds a
+value that changes nothing. Anything else is an unknown field, also refused
+(`OpenAIServing.check_request`).
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -18,8 +24,12 @@ MAX_N = 128
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are accepted and reported in the log, as vLLM does: clients send extras.
+    # Extras are kept so that `check_request` can name each one in its 400 (vLLM only
+    # logs them); pydantic's own "extra inputs are not permitted" would not say which it knows.
     model_config = ConfigDict(extra="allow")
+    # Fields OpenAI or vLLM defines here that treadle refuses, each with the values that leave
+    # it without effect (null always does).
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -33,8 +43,35 @@ class OpenAIModel(BaseModel):
                 if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)}
 
 
+def unexpected_field(model: BaseModel, path: str = "") -> tuple[str, str] | None:
+    """(the field's dotted path, why it is refused) for the first field of `model` or of a
+    model inside it that treadle would otherwise ignore; None when there is none."""
+    unsupported = model.unsupported if isinstance(model, OpenAIModel) else {}
+    for name, value in (model.model_extra or {}).items():
+        where = path + name
+        if name not in unsupported:
+            return where, (f"unknown field `{where}`: neither OpenAI's nor vLLM's API has it "
+                           f"here (treadle refuses what it would ignore; per-request extras go "
+                           f"in `vllm_xargs`)")
+        inert = unsupported[name]
+        if value is not None and value not in inert:
+            allowed = f" (only null or {', '.join(map(json.dumps, inert))})" if inert else ""
+            return where, f"`{where}` is not supported by treadle{allowed}"
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                inner = f"{path}{name}." if i is None else f"{path}{name}.{i}."
+                if (found := unexpected_field(item, inner)) is not None:
+                    return found
+    return None
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None   # OpenAI's; there is nothing to obfuscate locally
+    unsupported = {"continuous_usage_stats": (False,)}
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -72,6 +109,8 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Int64 = 0
+    # vLLM's: only requests with the same salt share prefix-cache blocks (one per tenant).
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     logit_bias: dict[str, float] | None = None
     # For the KV connector (vLLM's field): what a P/D prefill answer handed back.
     kv_transfer_params: dict[str, Any] | None = None
@@ -82,6 +121,22 @@ class SamplingFields(OpenAIModel):
     # choice, grammar); not both.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's older names for structured_outputs (deprecated, mapped onto it).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None   # must name the server's backend
+    spaces_between_special_tokens: bool = True
+    # vLLM's: the response carries prompt_token_ids and each choice's token_ids.
+    return_token_ids: bool = False
+
+    unsupported = {"use_beam_search": (False,), "length_penalty": (1, 1.0),
+                   "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
+                   "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
+                   "prompt_logprobs": (), "request_id": (),
+                   "guided_whitespace_pattern": (), "structural_tag": (),
+                   "mm_processor_kwargs": ({},)}
 
 
 class CompletionRequest(SamplingFields):
@@ -91,6 +146,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Int64 | None = None
     best_of: Int64 | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True   # vLLM's: BOS etc. added to a text prompt
+
+    unsupported = {**SamplingFields.unsupported, "prompt_embeds": ()}
 
 
 class FunctionCall(OpenAIModel):
@@ -111,6 +169,10 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None   # an assistant turn that called tools
     tool_call_id: str | None = None            # a tool's answer to that call
+    refusal: str | None = None                 # OpenAI's, on a replayed assistant turn; unused
+
+    unsupported = {"audio": (), "function_call": (), "reasoning_content": (), "reasoning": (),
+                   "annotations": ([],)}
 
 
 class FunctionDefinition(OpenAIModel):
@@ -140,11 +202,28 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
-    add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     # None: "auto" with tools, "none" without, as OpenAI does.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    # The chat template's options, passed to it as vLLM passes them.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False   # the last message is left open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None   # e.g. {"enable_thinking": false}
+    documents: list[dict[str, str]] | None = None        # for retrieval templates
+    add_special_tokens: bool = False   # BOS etc. on top of what the template writes
+    echo: bool = False   # the reply starts with the last message's content (vLLM's)
+    # OpenAI's fields that change nothing on a local engine: accepted, unused.
+    parallel_tool_calls: bool = True   # the tool parser returns every call it finds
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None   # prefix caching is automatic
+    safety_identifier: str | None = None
+
+    unsupported = {**SamplingFields.unsupported, "best_of": (1,), "chat_template": (),
+                   "functions": (), "function_call": (), "audio": (), "modalities": (["text"],),
+                   "prediction": (), "web_search_options": (), "reasoning_effort": (),
+                   "verbosity": (), "include_reasoning": (True,), "media_io_kwargs": ()}
 
 
 class TokenizeRequest(OpenAIModel):
@@ -153,6 +232,10 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    unsupported = {"continue_final_message": (False,), "chat_template": (),
+                   "chat_template_kwargs": ({},), "tools": (), "return_token_strs": (False,),
+                   "mm_processor_kwargs": ({},)}
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -190,6 +273,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With return_token_ids (vLLM's): the prompt's ids (a stream's first chunk), the output's.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -252,6 +338,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None   # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -262,6 +349,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None   # the KV connector's, for P/D
+    prompt_token_ids: list[int] | None = None   # with return_token_ids
 
 
 class DeltaMessage(Delta):
@@ -276,6 +364,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None   # with return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -285,3 +374,4 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None   # with return_token_ids: in the first chunk

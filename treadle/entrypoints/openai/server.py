@@ -50,15 +50,19 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # the embedded model, when no MO
 
 
 class APIKeyMiddleware:
-    """Every path but /health needs `Authorization: Bearer <key>`. Plain ASGI, so streamed
-    responses and disconnects pass through untouched."""
+    """Every path but /health, /metrics and the console's page needs `Authorization: Bearer
+    <key>`. /metrics is open as in vLLM, where Prometheus scrapers expect it without a key;
+    `metrics_require_api_key` guards it too. Plain ASGI, so streamed responses and disconnects
+    pass through untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, metrics_require_api_key: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = {"/health"} if metrics_require_api_key else {"/health", "/metrics"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health" and not is_public(scope["path"]):
+        if (scope["type"] == "http" and scope["path"] not in self.open_paths
+                and not is_public(scope["path"])):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(401, "invalid or missing API key "
@@ -71,12 +75,12 @@ class APIKeyMiddleware:
 def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
               api_key: str | None = None, max_log_len: int | None = None,
               log_requests: bool = False, tool_parser: ToolParser | None = None,
-              console: bool = True,
+              console: bool = True, metrics_require_api_key: bool = False,
               max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The app serving `engine`; it shuts the engine down when the app stops. `tool_parser`
     finds tool calls for tool_choice "auto" (None: "auto" is refused); `console`: the web
-    console at / (the status endpoint it polls is always there); a request body over
-    `max_body_bytes` is a 413."""
+    console at / (the status endpoint it polls is always there); `metrics_require_api_key`:
+    /metrics needs `api_key` too; a request body over `max_body_bytes` is a 413."""
     serving = OpenAIServing(engine, model_names, max_log_len, log_requests)
     completions, chat = CompletionServing(serving), ChatServing(serving, tool_parser)
     created = int(time.time())
@@ -90,9 +94,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
 
     app = FastAPI(title="treadle", version=treadle.__version__, lifespan=lifespan)
     app.state.serving = serving   # _Server flags it at shutdown
-    history = add_console(app, engine, serve_page=console)
+    history = add_console(app, engine, serve_page=console, api_key_required=bool(api_key))
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                           metrics_require_api_key=metrics_require_api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)   # outermost: first
     _add_error_handlers(app)
 
@@ -312,6 +317,16 @@ class _Server(uvicorn.Server):
             await engine.pause_generation(mode="abort", clear_cache=False)
 
 
+def _stage_done(phases: list[tuple[str, float]], name: str, detail: str = "") -> None:
+    """Mark the end of a start-up stage, and log it now: a start-up on a loaded machine can take
+    a minute, and should not look hung."""
+    end = process_age()
+    took = end - (phases[-1][1] if phases else 0.0)
+    phases.append((name, end))
+    logger.info("start-up: %s in %.1f s%s (%.1f s since the process started)", name, took,
+                f": {detail}" if detail else "", end)
+
+
 def process_age() -> float:
     """Seconds since this process started, the interpreter's own start-up included."""
     try:
@@ -327,18 +342,22 @@ def process_age() -> float:
 def run_server(ns: argparse.Namespace, engine_args: dict[str, Any], sock: socket.socket) -> int:
     """Build the engine, then serve on `sock` (bound, not yet listening) until SIGTERM/SIGINT;
     returns the exit code."""
-    phases = [("imports", process_age())]
-    # A GGUF is converted once per content, ~20 s; timed on its own, as it is ms afterwards.
-    model_path = prepare_model(engine_args.get("model"))
-    phases.append(("model files", process_age()))
+    phases: list[tuple[str, float]] = []
+    _stage_done(phases, "imports")
+    # A Hub model may be downloaded, and a GGUF is converted once per content, ~20 s; timed on
+    # their own, as they take ms afterwards.
+    model_path = prepare_model(engine_args.get("model"), engine_args.get("revision"),
+                               engine_args.get("download_dir"))
+    _stage_done(phases, "model files", model_path)
     logger.info("loading the engine")
     engine = AsyncLLM(**{**engine_args, "model": model_path})
-    phases.append(("engine", process_age()))
+    _stage_done(phases, "engine")
     names = ns.served_model_name or [engine_args.get("model") or DEFAULT_SERVED_NAME]
     tool_parser = get_tool_parser(ns.tool_call_parser) if ns.enable_auto_tool_choice else None
     app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len,
                     log_requests=ns.enable_log_requests, tool_parser=tool_parser,
-                    console=not ns.no_console, max_body_bytes=ns.max_request_body_bytes)
+                    console=not ns.no_console, max_body_bytes=ns.max_request_body_bytes,
+                    metrics_require_api_key=ns.metrics_require_api_key)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
     _Server(config, app, engine, ns.shutdown_timeout, phases).run(sockets=[sock])

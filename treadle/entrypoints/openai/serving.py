@@ -7,11 +7,13 @@ import asyncio
 import functools
 import json
 import logging
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 import jinja2
+import jinja2.meta
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,7 +22,7 @@ from treadle.engine.async_llm import AsyncLLM
 from treadle.engine.errors import EngineDeadError
 from treadle.entrypoints.openai.errors import OpenAIError, sse_error
 from treadle.entrypoints.openai.protocol import (ChatMessage, PromptTokensDetails, SamplingFields,
-                                                  UsageInfo)
+                                                  UsageInfo, unexpected_field)
 from treadle.entrypoints.openai.streams import (ClientDisconnected, PromptStreams, SSEResponse,
                                                 until_disconnected)
 from treadle.outputs import CompletionOutput, RequestOutput
@@ -33,7 +35,12 @@ T = TypeVar("T")
 # Request fields that map one to one onto SamplingParams when the client sets them.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
-                    "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
+                    "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                    "spaces_between_special_tokens", "logit_bias")
+# vLLM's older names for structured_outputs, and the kind each one sets.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+_warned_deprecated: set[str] = set()   # each deprecated field is reported once per process
 # OpenAI's default; vLLM would take the model's generation config instead.
 _DEFAULT_TEMPERATURE = 1.0
 # Tokenizer threads: the tokenizer lets go of the GIL while it encodes, so a few long prompts
@@ -60,6 +67,7 @@ class ChoiceProgress:
         self.text_len = 0
         self.num_tokens = 0
         self.done = False
+        self.held_ids: list[int] = []   # token ids of text a stream holds back (a tool call)
 
     def take(self, c: CompletionOutput) -> Delta | None:
         """The new part of `c`; None when there is nothing new or the choice already ended."""
@@ -95,20 +103,22 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.model_names[0]
 
+    @property
+    def grammar_backend(self) -> str:
+        """The structured outputs backend, one per server ("xgrammar" or "guidance")."""
+        return self.engine.input_processor.config.structured_outputs.backend
+
     # -- checks ------------------------------------------------------------------------------
     def check_request(self, req: BaseModel, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
         if self.shutting_down:
             raise OpenAIError(503, "the server is shutting down")
-        if req.model_extra:
-            logger.warning("ignoring unsupported request fields: %s",
-                           ", ".join(sorted(req.model_extra)))
-
-    @staticmethod
-    def check_unsupported(req: SamplingFields) -> None:
-        if req.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", "logit_bias")
+        # Stricter than vLLM, which logs such fields and goes on: a misspelt or unimplemented
+        # option, silently ignored, gives a client wrong results it cannot see.
+        if (found := unexpected_field(req)) is not None:
+            param, message = found
+            raise OpenAIError(400, message, param)
 
     # -- tokenizing --------------------------------------------------------------------------
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -129,21 +139,39 @@ class OpenAIServing:
             raise OpenAIError(400, "prompt is not valid Unicode text", "prompt") from None
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation through the chat template; `template_kwargs` (continue_final_message,
+        documents, the client's chat_template_kwargs) go to it as vLLM passes them."""
         conversation = [_message_dict(m) for m in messages]
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                                      **kwargs)
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise OpenAIError(400, f"the chat template failed on these messages: {e}",
                               "messages") from None
 
     def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        text = self.render_chat(messages, add_generation_prompt, tools)
-        # The template already holds the special tokens; encoding must not add more.
-        return text, self.encode(text, add_special_tokens=False)
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        # The template already holds the special tokens; encoding adds more only when asked.
+        return text, self.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str] | None:
+        """The names the chat template reads (None: no template, or one jinja2 cannot parse
+        on its own, when nothing can be said)."""
+        template = self.tokenizer.chat_template
+        if not isinstance(template, str):
+            return None
+        try:
+            ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        except jinja2.TemplateSyntaxError:
+            return None
+        return frozenset(jinja2.meta.find_undeclared_variables(ast))
 
     # -- sampling ----------------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, output_kind: RequestOutputKind,
@@ -156,14 +184,14 @@ class OpenAIServing:
             extra_args["kv_transfer_params"] = req.kv_transfer_params
         if extra_args:
             kwargs["extra_args"] = extra_args
-        structured = _structured_outputs(req)
+        structured = structured_outputs(req, self.grammar_backend)
         if structured is not None:
             kwargs["structured_outputs"] = structured
         kwargs.update(overrides)
         try:
             return SamplingParams(output_kind=output_kind, **kwargs)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            raise OpenAIError(400, str(e), _field_named(str(e), req)) from None
 
     def validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         """The prompt and max_tokens within max_model_len, logprobs in range, token ids in the
@@ -172,18 +200,18 @@ class OpenAIServing:
             self.engine.input_processor.validate_params(params, len(prompt_ids))
             self.engine.input_processor.tokenize(prompt_ids)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            raise OpenAIError(400, str(e), _field_named(str(e), params)) from None
 
     # -- running -------------------------------------------------------------------------------
     async def run(self, raw: Request, request_id: str, prompts: list[dict[str, Any]],
-                  params: SamplingParams, priority: int, stream: bool,
+                  params: SamplingParams, priority: int, cache_salt: str | None, stream: bool,
                   respond: Callable[[list[RequestOutput]], Response],
                   events: Callable[[list[RequestOutput], PromptStreams], AsyncIterator[BaseModel]],
                   ) -> Response:
         """Run the prompts; `respond(final outputs)` builds a whole response, `events(first
         outputs, streams)` the chunks of a streamed one."""
         self.log_request(request_id, prompts, params)
-        streams = PromptStreams(self.engine, prompts, params, request_id, priority,
+        streams = PromptStreams(self.engine, prompts, params, request_id, priority, cache_salt,
                                 log_level=self.request_log_level)
         try:
             firsts = await until_disconnected(raw, streams.start())
@@ -214,14 +242,47 @@ class OpenAIServing:
                    params)
 
 
-def _structured_outputs(req: SamplingFields) -> dict[str, Any] | None:
-    """The request's constraint, from vLLM's structured_outputs or OpenAI's response_format."""
+def _field_named(message: str, fields: Any) -> str | None:
+    """The field a ValueError's message starts with ("logit_bias['5'] must be ..."), when
+    `fields` (a request or SamplingParams) has one by that name: the error's `param`."""
+    name = re.match(r"\w+", message)
+    return name.group() if name is not None and hasattr(fields, name.group()) else None
+
+
+def _guided(req: SamplingFields, backend: str) -> dict[str, Any] | None:
+    """vLLM's deprecated guided_* fields as a structured_outputs dict (None: none set)."""
+    for name in (*_GUIDED_FIELDS, "guided_decoding_backend"):
+        if getattr(req, name) is not None and name not in _warned_deprecated:
+            _warned_deprecated.add(name)
+            logger.warning("`%s` is deprecated (as in vLLM); use `structured_outputs`", name)
+    if req.guided_decoding_backend not in (None, "auto", backend):
+        raise OpenAIError(400, f"guided_decoding_backend must be null, \"auto\" or this "
+                               f"server's backend \"{backend}\" (set per server with "
+                               f"structured_outputs_config), got {req.guided_decoding_backend!r}",
+                          "guided_decoding_backend")
+    given = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
+    if not given:
+        return None
+    if req.structured_outputs is not None:
+        raise OpenAIError(400, f"set structured_outputs or the deprecated {given[0]}, not both",
+                          given[0])
+    if len(given) > 1:
+        raise OpenAIError(400, f"set one of {', '.join(_GUIDED_FIELDS)}; got "
+                               f"{', '.join(given)}", given[1])
+    return {_GUIDED_FIELDS[given[0]]: getattr(req, given[0])}
+
+
+def structured_outputs(req: SamplingFields, backend: str) -> dict[str, Any] | None:
+    """The request's constraint, from vLLM's structured_outputs (or its older guided_* names)
+    or OpenAI's response_format."""
+    constraint = _guided(req, backend) or req.structured_outputs
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
-        return req.structured_outputs
-    if req.structured_outputs is not None:
-        raise OpenAIError(400, "set response_format or structured_outputs, not both",
-                          "structured_outputs")
+        return constraint
+    if constraint is not None:
+        field = next((n for n in _GUIDED_FIELDS if getattr(req, n) is not None),
+                     "structured_outputs")
+        raise OpenAIError(400, f"set response_format or {field}, not both", field)
     if fmt.type == "json_object":
         return {"json_object": True}
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
@@ -245,7 +306,8 @@ def clamp_logprob(value: float) -> float:
     return max(value, -9999.0)
 
 
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
+def message_text(m: ChatMessage) -> str:
+    """A message's content as text: OpenAI's text parts joined by newlines, as vLLM does."""
     content = m.content
     if isinstance(content, list):
         parts = []
@@ -254,7 +316,11 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
                 raise OpenAIError(400, "only text content parts are supported", "messages")
             parts.append(part["text"])
         content = "\n".join(parts)
-    message: dict[str, Any] = {"role": m.role, "content": content or ""}
+    return content or ""
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": m.role, "content": message_text(m)}
     if m.name is not None:
         message["name"] = m.name
     if m.tool_call_id is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,12 +15,20 @@ from treadle.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
                                                   ChatLogProb, ChatLogProbs, ChatLogProbsContent,
                                                   ChatResponseMessage, ChatStreamChoice,
                                                   DeltaMessage)
-from treadle.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, clamp_logprob, usage
+from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, clamp_logprob,
+                                                 message_text, structured_outputs, usage)
 from treadle.entrypoints.openai.streams import PromptStreams
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_constraint
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind
+
+
+# apply_chat_template's own arguments that decide what the server gets back; a client's
+# chat_template_kwargs may set the template's variables, not these.
+_RENDER_ARGUMENTS = frozenset({"conversation", "tools", "chat_template", "tokenize", "padding",
+                               "truncation", "max_length", "return_tensors", "return_dict",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class ChatServing:
@@ -31,21 +39,22 @@ class ChatServing:
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         serving = self.serving
         serving.check_request(req, req.model)
-        serving.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tool_choice = tool_choice_of(req, self.tool_parser)
         overrides = {}
         if (constraint := tool_constraint(req, tool_choice)) is not None:
-            if req.structured_outputs is not None or (req.response_format is not None
-                                                      and req.response_format.type != "text"):
+            if structured_outputs(req, serving.grammar_backend) is not None:
                 raise OpenAIError(400, "tool_choice \"required\" or a named function cannot be "
                                        "combined with response_format or structured_outputs",
                                   "tool_choice")
             overrides["structured_outputs"] = constraint
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        template_kwargs = _template_kwargs(req, serving.template_variables)
+        add_generation_prompt = template_kwargs.pop("add_generation_prompt")
         text, ids = await serving.off_loop(serving.encode_chat, req.messages,
-                                           req.add_generation_prompt, tools)
+                                           add_generation_prompt, tools, template_kwargs,
+                                           req.add_special_tokens)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = serving.sampling_params(
@@ -54,44 +63,86 @@ class ChatServing:
             **overrides)
         serving.validate(params, ids)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        render = _Renderer(serving, req, request_id,
+        render = _Renderer(serving, req, request_id, add_generation_prompt,
                            lambda: ToolCalls(tool_choice, self.tool_parser))
         return await serving.run(raw, request_id, [{"prompt": text, "prompt_token_ids": ids}],
-                                 params, req.priority, req.stream, render.response, render.chunks)
+                                 params, req.priority, req.cache_salt, req.stream, render.response,
+                                 render.chunks)
+
+
+def _template_kwargs(req: ChatCompletionRequest, variables: frozenset[str] | None
+                     ) -> dict[str, Any]:
+    """What the chat template gets besides the messages and tools, as vLLM builds it: the
+    request's options, then its chat_template_kwargs over them. A variable the template never
+    reads (`variables`) would change nothing, so it is refused rather than ignored."""
+    kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
+                              "continue_final_message": req.continue_final_message}
+    given = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        given = {"documents": req.documents, **given}
+    for key, value in given.items():
+        from_request = key == "documents" and req.documents is not None
+        param = "documents" if from_request else "chat_template_kwargs"
+        if key in _RENDER_ARGUMENTS:
+            raise OpenAIError(400, f"chat_template_kwargs may not set `{key}`: it is how the "
+                                   f"server renders the template, not a template variable",
+                              param)
+        if key not in kwargs and variables is not None and key not in variables:
+            raise OpenAIError(400, f"{param}: this model's chat template does not read "
+                                   f"`{key}`", param)
+        kwargs[key] = value
+    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        raise OpenAIError(400, "Cannot set both `continue_final_message` and "
+                               "`add_generation_prompt` to true (add_generation_prompt defaults "
+                               "to true: send false with continue_final_message)",
+                          "continue_final_message")
+    return kwargs
 
 
 class _Renderer:
     def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, request_id: str,
-                 tool_calls: Callable[[], ToolCalls]) -> None:
+                 add_generation_prompt: bool, tool_calls: Callable[[], ToolCalls]) -> None:
         self.serving = serving
         self.req = req
         self.id = request_id
         self.created = int(time.time())
         self.tool_calls = tool_calls   # a fresh one per choice
+        # As vLLM: without a generation prompt the reply goes on in the last message's role,
+        # and `echo` puts that message's content in front of the reply when roles match.
+        last = req.messages[-1]
+        self.role = "assistant" if add_generation_prompt else last.role
+        self.echo = message_text(last) if req.echo and last.role == self.role else ""
 
     def response(self, finals: list[RequestOutput]) -> Response:
         out = finals[0]
         choices = []
         for c in out.outputs:
             content, calls = self.tool_calls().extract(c.text)
+            if self.req.echo:
+                content = self.echo + (content or "")
             choices.append(ChatChoice(
-                index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                index=c.index,
+                message=ChatResponseMessage(role=self.role, content=content, tool_calls=calls),
                 logprobs=self._logprobs(c.token_ids, c.logprobs),
                 finish_reason=_finish_reason(c.finish_reason, bool(calls)),
-                stop_reason=c.stop_reason))
+                stop_reason=c.stop_reason, token_ids=self._token_ids(c.token_ids)))
         body = ChatCompletionResponse(id=self.id, created=self.created,
                                       model=self.serving.model_name, choices=choices,
-                                      usage=usage(finals), kv_transfer_params=out.kv_transfer_params)
+                                      usage=usage(finals),
+                                      kv_transfer_params=out.kv_transfer_params,
+                                      prompt_token_ids=self._token_ids(out.prompt_token_ids))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def chunks(self, firsts: list[RequestOutput], streams: PromptStreams
                      ) -> AsyncIterator[ChatCompletionChunk]:
         progress = [ChoiceProgress() for _ in range(self.req.n)]
         tool_calls = [self.tool_calls() for _ in range(self.req.n)]
-        # As OpenAI does: each choice opens with the role and empty content.
-        yield self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant",
-                                                                        content=""))
-                           for k in range(self.req.n)])
+        # As OpenAI does: each choice opens with the role and empty content (the echo, if any).
+        first = self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role=self.role,
+                                                                          content=self.echo))
+                             for k in range(self.req.n)])
+        first.prompt_token_ids = self._token_ids(firsts[0].prompt_token_ids)
+        yield first
         latest = firsts[0]
         if (chunk := self._delta_chunk(progress, tool_calls, latest)) is not None:
             yield chunk
@@ -113,15 +164,21 @@ class _Renderer:
                 continue
             calls = tool_calls[c.index]
             content, call_deltas = calls.feed(delta.text, delta.finish_reason is not None)
+            token_ids = progress[c.index].held_ids + delta.token_ids
             if not content and not call_deltas and delta.finish_reason is None:
+                progress[c.index].held_ids = token_ids
                 continue   # held back: a tool call has begun and is not complete
+            progress[c.index].held_ids = []
             choices.append(ChatStreamChoice(
                 index=c.index, delta=DeltaMessage(content=content if content or not call_deltas
                                                   else None, tool_calls=call_deltas or None),
                 logprobs=self._logprobs(delta.token_ids, delta.logprobs),
                 finish_reason=_finish_reason(delta.finish_reason, calls.num_streamed > 0),
-                stop_reason=delta.stop_reason))
+                stop_reason=delta.stop_reason, token_ids=self._token_ids(token_ids)))
         return self._chunk(choices) if choices else None
+
+    def _token_ids(self, ids: list[int]) -> list[int] | None:
+        return list(ids) if self.req.return_token_ids else None
 
     def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.serving.model_name,

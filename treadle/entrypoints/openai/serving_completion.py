@@ -31,7 +31,6 @@ class CompletionServing:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         serving = self.serving
         serving.check_request(req, req.model)
-        serving.check_unsupported(req)
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -47,8 +46,8 @@ class CompletionServing:
             serving.validate(params, p["prompt_token_ids"])
         request_id = f"cmpl-{uuid.uuid4().hex}"
         render = _Renderer(serving, req, request_id, prompts, prompt_only)
-        return await serving.run(raw, request_id, prompts, params, req.priority, req.stream,
-                                 render.response, render.chunks)
+        return await serving.run(raw, request_id, prompts, params, req.priority, req.cache_salt,
+                                 req.stream, render.response, render.chunks)
 
     def _prompts(self, req: CompletionRequest) -> list[dict[str, Any]]:
         """A str, a list of str, a list of token ids, or a list of lists: one dict per prompt."""
@@ -60,7 +59,8 @@ class CompletionServing:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append({"prompt": p, "prompt_token_ids": self.serving.encode(p)})
+                out.append({"prompt": p, "prompt_token_ids": self.serving.encode(
+                    p, add_special_tokens=req.add_special_tokens)})
             else:
                 out.append({"prompt": None, "prompt_token_ids": list(p)})
         return out
@@ -93,7 +93,7 @@ class _Renderer:
                     text, ids, lps = "", [], []
                 choices.append(self._choice(i, out, c.index, text, ids, lps, echo=self.req.echo,
                                             offset=0, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
+                                            stop_reason=c.stop_reason, first=True))
         body = CompletionResponse(id=self.id, created=self.created, model=self.serving.model_name,
                                   choices=choices,
                                   usage=usage(finals, count_completion=not self.prompt_only),
@@ -121,7 +121,7 @@ class _Renderer:
                 if self.prompt_only:
                     text, ids, lps = "", [], []
                 choice = self._choice(i, out, c.index, text, ids, lps, echo, offsets[index],
-                                      delta.finish_reason, delta.stop_reason)
+                                      delta.finish_reason, delta.stop_reason, first)
                 lp = choice.logprobs
                 if lp is not None and lp.tokens:
                     offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
@@ -146,8 +146,13 @@ class _Renderer:
     # -- one choice ----------------------------------------------------------------------------
     def _choice(self, i: int, out: RequestOutput, k: int, text: str, ids: list[int],
                 lps: list | None, echo: bool, offset: int, finish_reason: str | None,
-                stop_reason: int | str | None) -> CompletionChoice:
-        """`echo` puts the prompt (its text, tokens and logprobs) in front of this part."""
+                stop_reason: int | str | None, first: bool) -> CompletionChoice:
+        """`echo` puts the prompt (its text, tokens and logprobs) in front of this part; with
+        return_token_ids, the `first` part of a choice carries the prompt's ids."""
+        token_ids = prompt_token_ids = None
+        if self.req.return_token_ids:
+            token_ids = list(ids)
+            prompt_token_ids = list(out.prompt_token_ids) if first else None
         logprobs = None
         if self.req.logprobs is not None:
             if echo:
@@ -157,7 +162,8 @@ class _Renderer:
         if echo:
             text = self.prompt_texts[i] + text
         return CompletionChoice(index=i * self.req.n + k, text=text, logprobs=logprobs,
-                                finish_reason=finish_reason, stop_reason=stop_reason)
+                                finish_reason=finish_reason, stop_reason=stop_reason,
+                                prompt_token_ids=prompt_token_ids, token_ids=token_ids)
 
     def _logprobs(self, ids: list[int], entries: list, offset: int) -> CompletionLogProbs:
         """OpenAI's legacy logprobs: a null entry (the first prompt token) has no logprob."""

@@ -36,11 +36,12 @@ class PromptStreams:
     """
 
     def __init__(self, engine: AsyncLLM, prompts: list[dict[str, Any]], params: SamplingParams,
-                 request_id: str, priority: int = 0, log_level: int = logging.DEBUG) -> None:
+                 request_id: str, priority: int = 0, cache_salt: str | None = None,
+                 log_level: int = logging.DEBUG) -> None:
         self.request_id = request_id
         self._log_level = log_level   # of the per-request abort line
         self._gens: list[AsyncGenerator[RequestOutput, None]] = [
-            engine.generate(p, params, f"{request_id}-{i}", priority=priority)
+            engine.generate(p, params, f"{request_id}-{i}", priority=priority, cache_salt=cache_salt)
             for i, p in enumerate(prompts)]
         self._pending: dict[asyncio.Future, int] = {}
 

@@ -3,11 +3,14 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, conversation: [], polling: null, busy: false };
+const state = { model: null, conversation: [], busy: false, timer: null, keyRequired: false, needsKey: false };
 
 // -- the API key, kept in this browser only --------------------------------------------------
 $("api-key").value = localStorage.getItem("treadle-api-key") || "";
-$("api-key").addEventListener("change", () => localStorage.setItem("treadle-api-key", $("api-key").value));
+$("api-key").addEventListener("change", () => {
+  localStorage.setItem("treadle-api-key", $("api-key").value);
+  keyChanged();
+});
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -34,6 +37,8 @@ for (const tab of document.querySelectorAll(".tab")) {
   tab.addEventListener("click", () => {
     for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t === tab);
     for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== tab.dataset.view;
+    if (dashboardOnScreen()) poll();
+    else clearTimeout(state.timer);
   });
 }
 
@@ -109,7 +114,6 @@ async function* sseEvents(resp) {
 }
 
 async function send(text) {
-  $("chat-error").hidden = true;
   state.conversation.push({ role: "user", content: text });
   addMessage("user", text);
   const div = addMessage("assistant", "");
@@ -138,8 +142,13 @@ async function send(text) {
       renderAnswer(div, answer);
     }
   } catch (e) {
-    $("chat-error").textContent = e.message;
-    $("chat-error").hidden = false;
+    // The error takes the place of the stats, and the turn leaves the conversation: the next
+    // message is not sent after one the model never answered.
+    state.conversation.pop();
+    stats.className = "error";
+    stats.textContent = e.message;
+    div.dataset.state = "failed";
+    return;
   }
   const end = performance.now();
   state.conversation.push({ role: "assistant", content: answer.text });
@@ -189,21 +198,70 @@ function percent(x) {
   return x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`;
 }
 
-function drawChart(svg, values) {
-  svg.textContent = "";
-  const points = values.map((v, i) => [i, v]).filter(([, v]) => v !== null);
-  if (points.length < 2) return;
-  const max = Math.max(...points.map(([, v]) => v), 1e-9);
-  const n = Math.max(values.length - 1, 1);
-  const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  line.setAttribute("points", points.map(([i, v]) => `${(300 * i) / n},${78 - (74 * v) / max}`).join(" "));
-  svg.appendChild(line);
-  const label = document.createElementNS("http://www.w3.org/2000/svg", "text");
-  label.setAttribute("x", "2");
-  label.setAttribute("y", "10");
-  label.setAttribute("font-size", "9");
-  label.textContent = `max ${max.toFixed(max < 10 ? 2 : 0)}`;
-  svg.appendChild(label);
+const CHART = { left: 44, right: 12, top: 8, bottom: 20, seconds: 300 };   // margins in CSS px
+
+function niceCeil(x) {   // the smallest 1, 2 or 5 times a power of ten that is >= x
+  const power = 10 ** Math.floor(Math.log10(x));
+  return [1, 2, 5, 10].map((m) => m * power).find((v) => v >= x * (1 - 1e-9));
+}
+
+function drawChart(canvas, history, key) {
+  // The bitmap is sized to the CSS box in device pixels at every draw (the box follows the
+  // window): a bitmap stretched to its box smears and distorts the text.
+  const dpr = window.devicePixelRatio || 1;
+  const w = canvas.clientWidth, h = canvas.clientHeight;
+  if (!w || !h) return;
+  canvas.width = Math.round(w * dpr);   // also clears it
+  canvas.height = Math.round(h * dpr);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  const { left, right, top, bottom, seconds } = CHART;
+  const pw = w - left - right, ph = h - top - bottom;
+  const max = niceCeil(Math.max(0, ...history.map((p) => p[key])) || 1);   // null counts as 0
+  // Time runs to the newest point, by the server's clock: the browser's may be off.
+  const end = history.length ? history[history.length - 1].t : 0;
+  const x = (t) => left + pw * (1 - (end - t) / seconds);
+  const y = (v) => top + ph * (1 - v / max);
+
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.fillStyle = "#7a8194";
+  ctx.strokeStyle = "#eceef2";
+  ctx.lineWidth = 1;
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  for (const v of [0, max / 2, max]) {
+    ctx.fillText(String(Number(v.toPrecision(3))), left - 6, y(v));
+    ctx.beginPath();
+    ctx.moveTo(left, Math.round(y(v)) + 0.5);   // on a pixel's centre: a sharp 1 px line
+    ctx.lineTo(w - right, Math.round(y(v)) + 0.5);
+    ctx.stroke();
+  }
+  ctx.textAlign = "center";
+  ctx.textBaseline = "top";
+  for (let s = seconds; s >= 0; s -= 60) {
+    ctx.fillText(s ? `-${s / 60} min` : "now", left + pw * (1 - s / seconds), top + ph + 5);
+  }
+  ctx.strokeStyle = "#55607a";
+  ctx.beginPath();
+  ctx.moveTo(left + 0.5, top);
+  ctx.lineTo(left + 0.5, top + ph + 0.5);
+  ctx.lineTo(w - right, top + ph + 0.5);
+  ctx.stroke();
+
+  // A second without a value (no first token in it) breaks the line; a point alone is a dot.
+  ctx.strokeStyle = ctx.fillStyle = "#3b5bdb";
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  history.forEach((p, i) => {
+    const v = p[key];
+    if (v === null) return;
+    const joined = i > 0 && history[i - 1][key] !== null;
+    if (joined) ctx.lineTo(x(p.t), y(v));
+    else ctx.moveTo(x(p.t), y(v));
+    const alone = !joined && (i === history.length - 1 || history[i + 1][key] === null);
+    if (alone) ctx.fillRect(x(p.t) - 2, y(v) - 2, 4, 4);
+  });
+  ctx.stroke();
 }
 
 function renderRequests(status) {
@@ -264,13 +322,40 @@ function renderStatus(status) {
   $("spec-acceptance").textContent = percent(status.stats.spec_acceptance_rate);
   renderRequests(status);
   renderGrid(status.kv_cache);
-  drawChart($("throughput-chart"), status.history.map((p) => p.tokens_per_s));
-  drawChart($("ttft-chart"), status.history.map((p) => p.ttft_s));
+  drawChart($("throughput-chart"), status.history, "tokens_per_s");
+  drawChart($("ttft-chart"), status.history, "ttft_s");
+}
+
+// The status is asked once at load and after a key change (the playground shows the model and
+// the speculation switch), and every 500 ms only while the dashboard is on screen. Without the
+// key a server needs, nothing is asked: a 401 stops the polling until a key is entered.
+function dashboardOnScreen() {
+  return !$("dashboard").hidden && !document.hidden;
+}
+
+function needKey(message) {
+  state.needsKey = true;
+  $("key-needed").hidden = false;
+  $("dashboard-error").textContent = message;
+  $("dashboard-error").hidden = false;
+}
+
+function keyChanged() {
+  $("key-needed").hidden = true;
+  if (state.keyRequired && !$("api-key").value) {
+    needKey("needs API key: the server has one; enter it above");
+  } else {
+    state.needsKey = false;
+    poll();
+  }
 }
 
 async function poll() {
+  clearTimeout(state.timer);
+  if (state.needsKey) return;
   try {
     const resp = await fetch("/v1/engine/status", { headers: headers() });
+    if (resp.status === 401) return needKey(explain(401, await errorText(resp)));
     if (!resp.ok) throw new Error(explain(resp.status, await errorText(resp)));
     renderStatus(await resp.json());
     $("dashboard-error").hidden = true;
@@ -278,7 +363,14 @@ async function poll() {
     $("dashboard-error").textContent = e.message;
     $("dashboard-error").hidden = false;
   }
+  clearTimeout(state.timer);   // a poll started meanwhile (a click) may have set one
+  if (dashboardOnScreen()) state.timer = setTimeout(poll, 500);
 }
+
+document.addEventListener("visibilitychange", () => {
+  if (dashboardOnScreen()) poll();
+  else clearTimeout(state.timer);
+});
 
 for (const button of document.querySelectorAll(".control")) {
   button.addEventListener("click", async () => {
@@ -294,5 +386,18 @@ for (const button of document.querySelectorAll(".control")) {
   });
 }
 
-poll();
-state.polling = setInterval(poll, 500);
+async function start() {
+  try {
+    const resp = await fetch("/console/config");
+    if (!resp.ok) throw new Error(explain(resp.status, await errorText(resp)));
+    state.keyRequired = (await resp.json()).api_key_required;
+  } catch (e) {
+    // Not knowing whether a key is needed, ask nothing (this is also a reload cutting it short).
+    $("dashboard-error").textContent = `cannot read the console's config (reload the page): ${e.message}`;
+    $("dashboard-error").hidden = false;
+    return;
+  }
+  keyChanged();
+}
+
+start();

@@ -1,0 +1,348 @@
+"""Request fields that used to be ignored or refused (issue 44): logit_bias, the chat template's
+options, vLLM's guided_* names, and the rule that no field is silently ignored.
+
+A real `treadle serve` of the tiny Llama, whose chat template is SmolLM2's plus two variables
+(`enable_thinking`, `documents`), driven by the openai SDK; outputs are compared with
+transformers and prompts with `tokenizer.apply_chat_template` given the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from typing import Any
+
+import openai
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from tests.test_server import ENGINE_ARGS, MODEL, Server, assert_error
+from treadle import LLM, SamplingParams
+from treadle.models.loader import load_tokenizer
+
+# SmolLM2's template with a variable of its own and a retrieval section in front.
+EXTRA_TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}"
+                  "{{ '<|im_start|>system\n/no_think<|im_end|>\n' }}{% endif %}"
+                  "{% for doc in documents or [] %}"
+                  "{{ '<|im_start|>document\n' + doc['text'] + '<|im_end|>\n' }}{% endfor %}")
+ASK = [{"role": "user", "content": "Name a colour."}]
+CONTINUE = ASK + [{"role": "assistant", "content": "The colour I like best is"}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_checkpoints, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("templated") / "llama"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    tokenizer = load_tokenizer(str(path))
+    tokenizer.chat_template = EXTRA_TEMPLATE + tokenizer.chat_template
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    srv = Server(model_path, tmp_path_factory.mktemp("server"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def bad_request(call: Any, **kwargs: Any) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as e:
+        call(model=MODEL, **kwargs)
+    assert e.value.body["code"] == 400
+    return e.value
+
+
+# -- logit_bias ----------------------------------------------------------------------------------
+class Bias(LogitsProcessor):
+    """transformers' side of logit_bias: the same values added to the logits."""
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = torch.tensor(list(bias))
+        self.values = torch.tensor(list(bias.values()))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.ids] += self.values
+        return scores
+
+
+def hf_greedy(reference, ids: list[int], max_new_tokens: int, bias: dict[int, float]) -> list[int]:
+    out = reference.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                   max_new_tokens=max_new_tokens, do_sample=False,
+                                   logits_processor=LogitsProcessorList([Bias(bias)]),
+                                   pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_logit_bias_equals_transformers_with_the_bias(client, model_path, tokenizer, reference):
+    """Greedy: a bias that forbids the unbiased choices (and EOS, so that neither side stops)
+    and favours another token; the output is the one transformers gives with the same bias."""
+    ref = reference(model_path)
+    ids = tokenizer.encode("The capital of France is")
+    plain = ref.greedy(ids, 3)
+    bias = {plain[0]: -100.0, plain[1]: -100.0, 1234: 6.5, tokenizer.eos_token_id: -100.0}
+    expected = hf_greedy(ref, ids, 12, bias)
+    assert expected[0] != plain[0]
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                     logit_bias={str(k): v for k, v in bias.items()},
+                                     extra_body={"return_token_ids": True})
+    assert resp.choices[0].token_ids == expected
+    # Forcing: +100 on one token makes every output token that one, in chat too.
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
+                                          logit_bias={"1234": 100})
+    assert chat.choices[0].message.content == tokenizer.decode([1234] * 4)
+
+
+def test_logit_bias_offline(model_path, tokenizer, reference):
+    llm = LLM(model_path, **ENGINE_ARGS)
+    ids = tokenizer.encode("Once upon a time")
+    bias = {42: 5.0, 99: 3.0, tokenizer.eos_token_id: -100.0}
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(temperature=0, max_tokens=8, logit_bias=bias),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(reference(model_path), ids, 8, bias)
+    with pytest.raises(ValueError, match=r"logit_bias names token 49152, outside the vocab"):
+        llm.generate(["x"], SamplingParams(logit_bias={49152: 1.0}), use_tqdm=False)
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({"49152": 1}, "logit_bias names token 49152, outside the vocabulary [0, 49152)"),
+    ({"7": 100.5}, "logit_bias['7'] must be in [-100, 100], got 100.5"),
+    ({"seven": 1}, "logit_bias keys must be token ids"),
+])
+def test_bad_logit_bias_is_a_400_naming_it(client, bias, message):
+    for call, kwargs in ((client.completions.create, {"prompt": "x"}),
+                         (client.chat.completions.create, {"messages": ASK})):
+        e = bad_request(call, logit_bias=bias, max_tokens=2, **kwargs)
+        assert message in e.message and e.body["param"] == "logit_bias", e.body
+
+
+# -- the chat template's options -----------------------------------------------------------------
+def template_ids(tokenizer, messages: list[dict], **kwargs: Any) -> list[int]:
+    kwargs.setdefault("add_generation_prompt", True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages, body, kwargs", [
+    (ASK, {}, {}),
+    (ASK, {"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
+    (ASK, {"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True}),
+    (ASK, {"documents": [{"title": "t", "text": "Blue is calm."}]},
+     {"documents": [{"title": "t", "text": "Blue is calm."}]}),
+    (ASK, {"add_generation_prompt": False}, {"add_generation_prompt": False}),
+    (ASK, {"chat_template_kwargs": {"add_generation_prompt": False}},
+     {"add_generation_prompt": False}),
+    (CONTINUE, {"continue_final_message": True, "add_generation_prompt": False},
+     {"continue_final_message": True, "add_generation_prompt": False}),
+])
+def test_prompt_is_the_template_with_the_same_arguments(client, tokenizer, messages, body, kwargs):
+    expected = template_ids(tokenizer, messages, **kwargs)
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          temperature=0,
+                                          extra_body={"return_token_ids": True, **body})
+    assert resp.prompt_token_ids == expected
+    assert resp.usage.prompt_tokens == len(expected)
+    if body.get("chat_template_kwargs", {}).get("enable_thinking") is False:
+        assert "/no_think" in tokenizer.decode(expected)
+
+
+def test_add_special_tokens_puts_bos_before_the_template(client, tokenizer):
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                          extra_body={"return_token_ids": True,
+                                                      "add_special_tokens": True})
+    text = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    assert resp.prompt_token_ids == tokenizer.encode(text, add_special_tokens=True)
+
+
+def test_echo_continues_the_final_message(client):
+    body = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    prefix = CONTINUE[-1]["content"]
+    whole = client.chat.completions.create(model=MODEL, messages=CONTINUE, max_tokens=6,
+                                           temperature=0, extra_body=body)
+    plain = client.chat.completions.create(model=MODEL, messages=CONTINUE, max_tokens=6,
+                                           temperature=0, extra_body={**body, "echo": False})
+    message = whole.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == prefix + plain.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=CONTINUE, max_tokens=6,
+                                            temperature=0, stream=True, extra_body=body)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == message.content
+    # Without a generation prompt the reply goes on as the last message's role; echo repeats it.
+    user = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                          extra_body={"add_generation_prompt": False, "echo": True})
+    assert user.choices[0].message.role == "user"
+    assert user.choices[0].message.content.startswith(ASK[0]["content"])
+    # With the generation prompt the last message is the user's: nothing to echo.
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0,
+                                           extra_body={"echo": True})
+    assert not reply.choices[0].message.content.startswith(ASK[0]["content"])
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"continue_final_message": True}, "continue_final_message",
+     "Cannot set both `continue_final_message` and `add_generation_prompt` to true"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
+     "Cannot set both"),
+    ({"chat_template_kwargs": {"enable_thinkng": False}}, "chat_template_kwargs",
+     "does not read `enable_thinkng`"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs",
+     "may not set `tokenize`"),
+    ({"chat_template_kwargs": "yes"}, "chat_template_kwargs", "chat_template_kwargs"),
+])
+def test_bad_template_options_are_400s(client, body, param, message):
+    e = bad_request(client.chat.completions.create, messages=CONTINUE, max_tokens=2,
+                    extra_body=body)
+    assert message in e.message and e.body["param"] == param, e.body
+
+
+def test_return_token_ids_streamed(client, tokenizer):
+    ids = tokenizer.encode("Once upon a time")
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert whole.choices[0].prompt_token_ids == ids and len(whole.choices[0].token_ids) == 5
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                            stream=True,
+                                            extra_body={"return_token_ids": True,
+                                                        "ignore_eos": True}))
+    assert chunks[0].choices[0].prompt_token_ids == ids
+    assert [t for c in chunks for t in c.choices[0].token_ids] == whole.choices[0].token_ids
+    chat = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, stream=True,
+                                               extra_body={"return_token_ids": True}))
+    assert chat[0].prompt_token_ids == template_ids(tokenizer, ASK)
+
+
+def test_streamed_token_ids_of_a_tool_call_equal_the_whole(client):
+    """A streamed tool call's chunks carry token ids that join to the whole response's."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}}}
+    kwargs = dict(model=MODEL, messages=ASK, tools=[tool], temperature=0, max_tokens=20,
+                  tool_choice={"type": "function", "function": {"name": "pick"}},
+                  extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [t for c in chunks for choice in c.choices for t in (choice.token_ids or [])]
+    assert streamed == whole.token_ids and len(streamed) > 0
+
+
+# -- vLLM's guided_* names -----------------------------------------------------------------------
+def test_guided_fields_map_onto_structured_outputs(server, client):
+    choice = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+        extra_body={"guided_choice": ["red", "green"], "guided_decoding_backend": "xgrammar"})
+    assert choice.choices[0].message.content in ("red", "green")
+    regex = client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0,
+                                      extra_body={"guided_regex": "[ab]{3}"})
+    assert len(regex.choices[0].text) == 3 and set(regex.choices[0].text) <= {"a", "b"}
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    for guided_json in (schema, json.dumps(schema)):
+        reply = client.completions.create(
+            model=MODEL, prompt="x", max_tokens=20, temperature=0,
+            extra_body={"guided_json": guided_json,
+                        "structured_outputs": None})   # null means "not set"
+        if reply.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(reply.choices[0].text)["n"], int)
+    grammar = client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0,
+                                        extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
+    assert grammar.choices[0].text in ("yes", "no")
+    client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                              extra_body={"guided_choice": ["a", "b"]})
+    log = server.log_path.read_text()
+    for name in ("guided_choice", "guided_regex", "guided_json", "guided_grammar",
+                 "guided_decoding_backend"):
+        assert log.count(f"`{name}` is deprecated") == 1, name
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice",
+     "set structured_outputs or the deprecated guided_choice, not both"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice",
+     "set one of guided_json, guided_regex, guided_choice, guided_grammar"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "set response_format or guided_regex, not both"),
+    ({"guided_choice": ["a"], "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
+     "this server's backend \"xgrammar\""),
+    ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern",
+     "not supported"),
+])
+def test_bad_guided_requests_are_400s(client, body, param, message):
+    e = bad_request(client.completions.create, prompt="x", max_tokens=2, extra_body=body)
+    assert message in e.message and e.body["param"] == param, e.body
+
+
+# -- no silent 200s ------------------------------------------------------------------------------
+def test_openai_fields_without_effect_are_accepted(client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=ASK + [{"role": "assistant", "content": "Red.", "refusal": None},
+                                     {"role": "user", "content": "Another?"}],
+        max_tokens=2, user="u-1", metadata={"run": "7"}, store=False, service_tier="auto",
+        parallel_tool_calls=False,
+        extra_body={"prompt_cache_key": "k", "safety_identifier": "s", "modalities": ["text"],
+                    "use_beam_search": False, "stream_options": None,
+                    "vllm_xargs": {"speculative_decoding": False}})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    done = client.completions.create(model=MODEL, prompt="x", max_tokens=2, user="u",
+                                     extra_body={"spaces_between_special_tokens": False,
+                                                 "add_special_tokens": False, "length_penalty": 1})
+    assert done.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "x", "temprature": 0}, "temprature",
+     "unknown field `temprature`"),
+    ("/v1/completions", {"prompt": "x", "store": True}, "store", "unknown field `store`"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search",
+     "`use_beam_search` is not supported by treadle (only null or false)"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options.x", "unknown field `stream_options.x`"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "nmae": "a"}]},
+     "messages.0.nmae", "unknown field `messages.0.nmae`"),
+    ("/v1/chat/completions", {"messages": ASK, "functions": [{"name": "f"}]}, "functions",
+     "`functions` is not supported"),
+    ("/v1/chat/completions", {"messages": ASK, "reasoning_effort": "low"}, "reasoning_effort",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {
+        "name": "f", "paramters": {}}}]}, "tools.0.function.paramters", "unknown field"),
+    ("/tokenize", {"prompt": "x", "add_bos": True}, "add_bos", "unknown field `add_bos`"),
+])
+def test_fields_treadle_would_ignore_are_400s_naming_them(server, path, body, param, message):
+    status, reply = server.request("POST", path, {"model": MODEL, "max_tokens": 2, **body}
+                                   if path != "/tokenize" else body)
+    assert_error(status, reply, 400)
+    assert message in reply["error"]["message"] and reply["error"]["param"] == param, reply
+
+
+
+# -- cache_salt ----------------------------------------------------------------------------------
+def test_cache_salt_keeps_tenants_prefix_caches_apart(client):
+    """vLLM's cache_salt: a prompt cached under one salt is a miss under another, and a hit
+    under the same; the text does not depend on it."""
+    prompt = [(7 * i) % 500 + 3 for i in range(70)]   # four full blocks of 16
+
+    def run(salt: str | None):
+        extra = {"cache_salt": salt} if salt is not None else {}
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                         extra_body=extra)
+        return resp.choices[0].text, resp.usage.prompt_tokens_details.cached_tokens
+
+    text, _ = run("alice")
+    assert run("bob") == (text, 0)
+    assert run(None) == (text, 0)
+    assert run("alice") == (text, 64)
+    error = bad_request(client.completions.create, prompt=prompt, max_tokens=1,
+                        extra_body={"cache_salt": ""})
+    assert error.body["param"] == "cache_salt"

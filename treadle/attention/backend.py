@@ -1,0 +1,129 @@
+"""The attention-backend interface: how a model's attention layers meet the paged KV cache.
+
+A backend turns a step's layout into metadata once per step (`build_metadata`), and that
+metadata runs every layer's attention for the step (`AttentionMetadata.attend`). The model's
+layers hold only their shape (`PagedAttention`) and never name a backend, so the runner picks
+one per device and the models stay the same:
+  - `cpu`: the C++ kernels (treadle/kernels), reading K/V through the block table;
+  - `torch`: gathers and SDPA in plain torch, on any device.
+A new backend (Triton on CUDA) is a module with an `AttentionBackend` subclass and a line in
+`BACKENDS`.
+
+Every backend shares the cache layout [2, num_blocks, block_size, num_kv_heads, head_dim] per
+layer and the step's token order: decodes first (one query token each, longest context first),
+then prefill chunks. New K/V are written through `slot_mapping` before any attention reads the
+cache, so a request may read blocks another request of the same step is filling.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treadle.registry import lookup
+
+# Backends by name, imported only when chosen (treadle/registry.py).
+BACKENDS: dict[str, str] = {
+    "cpu": "treadle.attention.cpu_backend:CpuKernelBackend",
+    "torch": "treadle.attention.torch_backend:TorchBackend",
+}
+
+
+@dataclass(frozen=True)
+class PagedAttention:
+    """One layer's attention as the model sees it: its shape on this rank, and a call that the
+    step's metadata carries out."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D], after writing k and v to the cache."""
+        return meta.attend(self, q, k, v, kv_cache)
+
+
+@dataclass
+class AttentionMetadata(ABC):
+    """A step's layout, as one backend needs it; built once, read by every layer."""
+
+    slot_mapping: torch.Tensor   # [num_tokens] flat cache slot of each new token
+    num_decodes: int             # the first num_decodes tokens are decodes
+
+    @abstractmethod
+    def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        """Write k and v to `kv_cache`, then attend: [T, Hq, D] -> [T, Hq * D]."""
+
+
+class AttentionBackend(ABC):
+    """Builds each step's metadata for one device."""
+
+    name: str
+
+    def __init__(self, device: torch.device, block_size: int) -> None:
+        self.device = device
+        self.block_size = block_size
+
+    @classmethod
+    @abstractmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device`, or None where it can."""
+
+    @abstractmethod
+    def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
+                       positions: np.ndarray, block_table: np.ndarray) -> AttentionMetadata:
+        """Metadata for one step: each request's new tokens and cached tokens (decodes first,
+        longest context first), every token's position, and one block-table row per request,
+        padded with the null block 0."""
+
+    def release(self) -> None:
+        """Drop scratch memory (the cache is being freed: sleep)."""
+
+    def slot_mapping(self, query_lens: np.ndarray, positions: np.ndarray,
+                     block_table: np.ndarray) -> torch.Tensor:
+        """The flat cache slot of every new token."""
+        req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+        bs = self.block_size
+        slots = block_table[req_of_token, positions // bs] * bs + positions % bs
+        return torch.from_numpy(slots.astype(np.int64)).to(self.device)
+
+
+def count_decodes(query_lens: np.ndarray, context_lens: np.ndarray) -> int:
+    """How many requests at the front are decodes: one new token after some cached ones."""
+    is_decode = (query_lens == 1) & (context_lens > 0)
+    return len(query_lens) if is_decode.all() else int(np.argmin(is_decode))
+
+
+def auto_backend_name(device: torch.device) -> str:
+    """The fastest backend that runs on `device`."""
+    return "cpu" if backend_class("cpu").unavailable(device) is None else "torch"
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    return lookup(BACKENDS, name, "attention_backend")
+
+
+def check_attention_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    """The backend class called `name`; a ValueError if there is none, or if it cannot run on
+    `device`, saying why."""
+    cls = backend_class(name)
+    if (reason := cls.unavailable(device)) is not None:
+        raise ValueError(f"attention_backend {name!r} cannot run on {device}: {reason}")
+    return cls
+
+
+def create_attention_backend(name: str | None, device: torch.device,
+                             block_size: int) -> AttentionBackend:
+    """The backend called `name` (None: the best for `device`), for that device."""
+    return check_attention_backend(name or auto_backend_name(device), device)(device, block_size)

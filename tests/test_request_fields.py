@@ -21,11 +21,13 @@ from tests.test_server import ENGINE_ARGS, MODEL, Server, assert_error
 from treadle import LLM, SamplingParams
 from treadle.models.loader import load_tokenizer
 
-# SmolLM2's template with a variable of its own and a retrieval section in front.
+# SmolLM2's template with a variable of its own, a retrieval section and the tools in front.
 EXTRA_TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}"
                   "{{ '<|im_start|>system\n/no_think<|im_end|>\n' }}{% endif %}"
                   "{% for doc in documents or [] %}"
-                  "{{ '<|im_start|>document\n' + doc['text'] + '<|im_end|>\n' }}{% endfor %}")
+                  "{{ '<|im_start|>document\n' + doc['text'] + '<|im_end|>\n' }}{% endfor %}"
+                  "{% for tool in tools or [] %}"
+                  "{{ '<|im_start|>tool\n' + tool['function']['name'] + '<|im_end|>\n' }}{% endfor %}")
 ASK = [{"role": "user", "content": "Name a colour."}]
 CONTINUE = ASK + [{"role": "assistant", "content": "The colour I like best is"}]
 
@@ -147,12 +149,16 @@ def template_ids(tokenizer, messages: list[dict], **kwargs: Any) -> list[int]:
     (CONTINUE, {"continue_final_message": True, "add_generation_prompt": False},
      {"continue_final_message": True, "add_generation_prompt": False}),
 ])
-def test_prompt_is_the_template_with_the_same_arguments(client, tokenizer, messages, body, kwargs):
+def test_prompt_is_the_template_with_the_same_arguments(server, client, tokenizer, messages, body,
+                                                      kwargs):
+    """The same on /v1/chat/completions and /tokenize, which take the same options."""
     expected = template_ids(tokenizer, messages, **kwargs)
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
                                           temperature=0,
                                           extra_body={"return_token_ids": True, **body})
     assert resp.prompt_token_ids == expected
+    assert server.request("POST", "/tokenize", {"messages": messages, **body}) == (
+        200, {"count": len(expected), "max_model_len": 256, "tokens": expected})
     assert resp.usage.prompt_tokens == len(expected)
     if body.get("chat_template_kwargs", {}).get("enable_thinking") is False:
         assert "/no_think" in tokenizer.decode(expected)
@@ -346,3 +352,59 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(client):
     error = bad_request(client.completions.create, prompt=prompt, max_tokens=1,
                         extra_body={"cache_salt": ""})
     assert error.body["param"] == "cache_salt"
+
+
+def test_tokenize_takes_tools_as_chat_does_and_refuses_chat_options_on_a_prompt(server, client,
+                                                                                tokenizer):
+    tools = [{"type": "function", "function": {"name": "paint", "description": "Paint a wall.",
+                                               "parameters": {"type": "object"}}}]
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, tools=tools,
+                                          tool_choice="none", extra_body={"return_token_ids": True})
+    status, body = server.request("POST", "/tokenize", {"messages": ASK, "tools": tools})
+    expected = template_ids(tokenizer, ASK, tools=tools)
+    assert "paint" in tokenizer.decode(expected)
+    assert status == 200 and body["tokens"] == resp.prompt_token_ids == expected
+    for name, value in (("chat_template_kwargs", {"enable_thinking": False}),
+                        ("continue_final_message", True), ("tools", tools)):
+        status, body = server.request("POST", "/tokenize", {"prompt": "x", name: value})
+        assert (status, body["error"]["param"]) == (400, name), body
+
+
+def test_weight_updates_refuse_unknown_fields(server):
+    status, body = server.request("POST", "/update_weights_from_disk",
+                                  {"path": "/nonexistent", "weight_versoin": "v2"})
+    assert (status, body["error"]["param"]) == (400, "weight_versoin"), body
+
+
+# -- prompt_logprobs -----------------------------------------------------------------------------
+def test_prompt_logprobs_equal_transformers(client, model_path, reference):
+    """vLLM's prompt_logprobs on both endpoints: each prompt token's logprob (transformers'),
+    with the top N and ranks; none for the first token."""
+    prompt = [(11 * i) % 700 + 5 for i in range(40)]
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                     extra_body={"prompt_logprobs": 2})
+    lps = resp.choices[0].prompt_logprobs
+    expected = reference(model_path).prompt_logprobs(prompt).tolist()
+    assert lps[0] is None and len(lps) == len(prompt)
+    for position, entry in enumerate(lps[1:], start=1):
+        chosen = entry[str(prompt[position])]
+        assert abs(chosen["logprob"] - expected[position - 1]) < 1e-4
+        top = sorted((e for e in entry.values() if e["rank"] <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in top] == [1, 2] and top[0]["logprob"] >= top[1]["logprob"]
+        assert len(entry) <= 3 and all(e["decoded_token"] is not None for e in entry.values())
+
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0,
+                                                      "return_token_ids": True})
+    ids = chat.prompt_token_ids
+    expected = reference(model_path).prompt_logprobs(ids).tolist()
+    got = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], chat.prompt_logprobs[1:])]
+    assert chat.prompt_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+
+
+@pytest.mark.parametrize("body", [{"stream": True, "prompt_logprobs": 1},
+                                  {"echo": True, "logprobs": 1, "prompt_logprobs": 1}])
+def test_prompt_logprobs_refused_where_they_cannot_be_returned(client, body):
+    error = bad_request(client.completions.create, prompt="x", max_tokens=1, extra_body=body)
+    assert error.body["param"] == "prompt_logprobs"

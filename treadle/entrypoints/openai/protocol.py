@@ -130,11 +130,13 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     # vLLM's: the response carries prompt_token_ids and each choice's token_ids.
     return_token_ids: bool = False
+    # vLLM's: the logprob of every prompt token after the first, with the top N (not streamed).
+    prompt_logprobs: Int64 | None = None
 
     unsupported = {"use_beam_search": (False,), "length_penalty": (1, 1.0),
                    "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
                    "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
-                   "prompt_logprobs": (), "request_id": (),
+                   "request_id": (),
                    "guided_whitespace_pattern": (), "structural_tag": (),
                    "mm_processor_kwargs": ({},)}
 
@@ -231,11 +233,14 @@ class TokenizeRequest(OpenAIModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    # With messages, the chat template's options, as /v1/chat/completions takes them.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[ChatTool] | None = None
 
-    unsupported = {"continue_final_message": (False,), "chat_template": (),
-                   "chat_template_kwargs": ({},), "tools": (), "return_token_strs": (False,),
-                   "mm_processor_kwargs": ({},)}
+    unsupported = {"chat_template": (), "return_token_strs": (False,), "mm_processor_kwargs": ({},)}
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -267,6 +272,14 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -276,6 +289,7 @@ class CompletionChoice(BaseModel):
     # With return_token_ids (vLLM's): the prompt's ids (a stream's first chunk), the output's.
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None   # with prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -350,6 +364,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None   # the KV connector's, for P/D
     prompt_token_ids: list[int] | None = None   # with return_token_ids
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None   # with prompt_logprobs
 
 
 class DeltaMessage(Delta):

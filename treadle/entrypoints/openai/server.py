@@ -38,7 +38,7 @@ from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                   UpdateWeightsRequest)
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.console import add_console, is_public
-from treadle.entrypoints.openai.serving_chat import ChatServing
+from treadle.entrypoints.openai.serving_chat import ChatServing, encode_messages
 from treadle.entrypoints.openai.tool_parsers import get_tool_parser
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.serving_completion import CompletionServing
@@ -124,9 +124,11 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
-            _, tokens = await serving.off_loop(serving.encode_chat, body.messages,
-                                               body.add_generation_prompt)
+            _, tokens, _ = await encode_messages(serving, body)
         else:
+            for name in ("continue_final_message", "chat_template_kwargs", "documents", "tools"):
+                if getattr(body, name):
+                    raise OpenAIError(400, f"{name} applies to messages, not to a prompt", name)
             tokens = await serving.off_loop(serving.encode, body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
@@ -190,6 +192,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict:
+        serving.check_request(body, None)
         count = await _control(engine.load_weights(body.path, body.weight_version))
         return {"success": True, "num_tensors": count,
                 "weight_version": await engine.get_weight_version()}

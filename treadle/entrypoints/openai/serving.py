@@ -21,8 +21,8 @@ from starlette.responses import Response
 from treadle.engine.async_llm import AsyncLLM
 from treadle.engine.errors import EngineDeadError
 from treadle.entrypoints.openai.errors import OpenAIError, sse_error
-from treadle.entrypoints.openai.protocol import (ChatMessage, PromptTokensDetails, SamplingFields,
-                                                  UsageInfo, unexpected_field)
+from treadle.entrypoints.openai.protocol import (ChatMessage, PromptLogprob, PromptTokensDetails,
+                                                  SamplingFields, UsageInfo, unexpected_field)
 from treadle.entrypoints.openai.streams import (ClientDisconnected, PromptStreams, SSEResponse,
                                                 until_disconnected)
 from treadle.outputs import CompletionOutput, RequestOutput
@@ -36,7 +36,7 @@ T = TypeVar("T")
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
                     "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-                    "spaces_between_special_tokens", "logit_bias")
+                    "spaces_between_special_tokens", "logit_bias", "prompt_logprobs")
 # vLLM's older names for structured_outputs, and the kind each one sets.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -176,6 +176,9 @@ class OpenAIServing:
     # -- sampling ----------------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, output_kind: RequestOutputKind,
                         **overrides: Any) -> SamplingParams:
+        if req.prompt_logprobs is not None and req.stream:
+            raise OpenAIError(400, "prompt_logprobs are not available when stream is true",
+                              "prompt_logprobs")
         kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS
                   if getattr(req, name) is not None}
         kwargs.setdefault("temperature", _DEFAULT_TEMPERATURE)
@@ -299,6 +302,19 @@ def usage(outputs: list[RequestOutput], count_completion: bool = True) -> UsageI
                      total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(
                          cached_tokens=sum(o.num_cached_tokens for o in outputs)))
+
+
+def prompt_logprobs(out: RequestOutput, decode: Callable[[list[int]], str]
+                    ) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` of one prompt: per position, the prompt's token and the top N,
+    each with its logprob, rank and text; None for the first position, which has none."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        token: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                             decoded_token=(lp.decoded_token if lp.decoded_token is not None
+                                            else decode([token])))
+        for token, lp in entry.items()} for entry in out.prompt_logprobs]
 
 
 def clamp_logprob(value: float) -> float:

@@ -14,9 +14,10 @@ from treadle.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
                                                   ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatLogProb, ChatLogProbs, ChatLogProbsContent,
                                                   ChatResponseMessage, ChatStreamChoice,
-                                                  DeltaMessage)
+                                                  DeltaMessage, TokenizeRequest)
 from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, clamp_logprob,
-                                                 message_text, structured_outputs, usage)
+                                                 message_text, prompt_logprobs, structured_outputs,
+                                                 usage)
 from treadle.entrypoints.openai.streams import PromptStreams
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_constraint
@@ -49,12 +50,8 @@ class ChatServing:
                                        "combined with response_format or structured_outputs",
                                   "tool_choice")
             overrides["structured_outputs"] = constraint
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        template_kwargs = _template_kwargs(req, serving.template_variables)
-        add_generation_prompt = template_kwargs.pop("add_generation_prompt")
-        text, ids = await serving.off_loop(serving.encode_chat, req.messages,
-                                           add_generation_prompt, tools, template_kwargs,
-                                           req.add_special_tokens)
+        text, ids, add_generation_prompt = await encode_messages(serving, req,
+                                                                 req.add_special_tokens)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = serving.sampling_params(
@@ -70,8 +67,21 @@ class ChatServing:
                                  render.chunks)
 
 
-def _template_kwargs(req: ChatCompletionRequest, variables: frozenset[str] | None
-                     ) -> dict[str, Any]:
+async def encode_messages(serving: OpenAIServing, req: ChatCompletionRequest | TokenizeRequest,
+                          add_special_tokens: bool = False) -> tuple[str, list[int], bool]:
+    """The request's messages and tools through the chat template with its options (as
+    /v1/chat/completions and /tokenize both take them): (text, token ids, whether a
+    generation prompt was added)."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    template_kwargs = _template_kwargs(req, serving.template_variables)
+    add_generation_prompt = template_kwargs.pop("add_generation_prompt")
+    text, ids = await serving.off_loop(serving.encode_chat, req.messages, add_generation_prompt,
+                                       tools, template_kwargs, add_special_tokens)
+    return text, ids, add_generation_prompt
+
+
+def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest,
+                     variables: frozenset[str] | None) -> dict[str, Any]:
     """What the chat template gets besides the messages and tools, as vLLM builds it: the
     request's options, then its chat_template_kwargs over them. A variable the template never
     reads (`variables`) would change nothing, so it is refused rather than ignored."""
@@ -130,7 +140,9 @@ class _Renderer:
                                       model=self.serving.model_name, choices=choices,
                                       usage=usage(finals),
                                       kv_transfer_params=out.kv_transfer_params,
-                                      prompt_token_ids=self._token_ids(out.prompt_token_ids))
+                                      prompt_token_ids=self._token_ids(out.prompt_token_ids),
+                                      prompt_logprobs=prompt_logprobs(
+                                          out, self.serving.tokenizer.decode))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def chunks(self, firsts: list[RequestOutput], streams: PromptStreams

@@ -18,7 +18,8 @@ from starlette.responses import Response
 from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
                                                   CompletionRequest, CompletionResponse)
-from treadle.entrypoints.openai.serving import ChoiceProgress, OpenAIServing, clamp_logprob, usage
+from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, clamp_logprob,
+                                                 prompt_logprobs, usage)
 from treadle.entrypoints.openai.streams import PromptStreams
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind
@@ -38,10 +39,16 @@ class CompletionServing:
         prompts = await serving.off_loop(self._prompts, req)
         # Echo with max_tokens 0 scores the prompt only; the engine still makes one token.
         prompt_only = req.echo and req.max_tokens == 0
+        overrides = {}
+        if req.echo and req.logprobs is not None:   # the prompt's logprobs go in `logprobs`
+            if req.prompt_logprobs is not None:
+                raise OpenAIError(400, "prompt_logprobs with echo and logprobs would return the "
+                                       "prompt's logprobs twice: send one of them",
+                                  "prompt_logprobs")
+            overrides["prompt_logprobs"] = req.logprobs
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
-            max_tokens=1 if prompt_only else req.max_tokens, logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+            max_tokens=1 if prompt_only else req.max_tokens, logprobs=req.logprobs, **overrides)
         for p in prompts:
             serving.validate(params, p["prompt_token_ids"])
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -161,9 +168,12 @@ class _Renderer:
             logprobs = self._logprobs(ids, lps or [], offset)
         if echo:
             text = self.prompt_texts[i] + text
+        prompt_lps = (prompt_logprobs(out, self.serving.tokenizer.decode)
+                      if self.req.prompt_logprobs is not None else None)
         return CompletionChoice(index=i * self.req.n + k, text=text, logprobs=logprobs,
                                 finish_reason=finish_reason, stop_reason=stop_reason,
-                                prompt_token_ids=prompt_token_ids, token_ids=token_ids)
+                                prompt_token_ids=prompt_token_ids, token_ids=token_ids,
+                                prompt_logprobs=prompt_lps)
 
     def _logprobs(self, ids: list[int], entries: list, offset: int) -> CompletionLogProbs:
         """OpenAI's legacy logprobs: a null entry (the first prompt token) has no logprob."""

@@ -9,8 +9,8 @@ its own, and a second, idle team (the loader's) makes libgomp stop spinning at b
 
 The worker shares this process, so its failures are raised where they happen, as their own
 type, and leave no failure state here: a failed step ends the engine (EngineCore turns any
-step's error into EngineDeadError), and there is no group to replace (`max_worker_restarts`
-does nothing with this executor). Only shutdown ends it.
+step's error into EngineDeadError), and there is no group to replace (config.py refuses
+`max_worker_restarts` with this executor). Only shutdown ends it.
 """
 
 from __future__ import annotations

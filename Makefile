@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser terminal run test bench bench-peers clean
+.PHONY: install browser terminal redis run test bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,15 @@ terminal:
 		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q tmux; }; \
 	fi
 
-test: install browser terminal
+# The KV tier tests start a real Redis: Debian's redis-server.
+redis:
+	@if [ ! -x /usr/bin/redis-server ]; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -q redis-server \
+		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }; \
+	fi
+
+test: install browser terminal redis
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -28,11 +28,11 @@ def test_the_kernels_serve_the_cpu_unless_torch_is_named():
 
 
 def test_a_backend_that_cannot_run_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"attention_backend must be one of cpu, torch; got 'flash'"):
+    with pytest.raises(ValueError, match=r"attention_backend must be one of cpu, torch, triton; got 'flash'"):
         create_attention_backend("flash", CPU, 16)
     with pytest.raises(ValueError, match=r"'cpu' cannot run on cuda: its kernels are for CPUs"):
         create_attention_backend("cpu", torch.device("cuda"), 16)
-    assert set(BACKENDS) == {"cpu", "torch"}
+    assert set(BACKENDS) == {"cpu", "torch", "triton"}   # triton: tests/test_triton_attention.py
 
 
 def test_engine_args_check_the_backend_before_the_model_loads(monkeypatch):

@@ -116,3 +116,21 @@ def test_bench_structured_times_both_runs_and_the_compile(tiny_checkpoints, tmp_
     assert "compile cold" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["bench", "structured", "--model", tiny_checkpoints["llama"], "--batch-sizes", "0"])
+
+
+def test_bench_kv_tiers_runs_every_tier_and_agrees(tiny_checkpoints, tmp_path, capsys):
+    out, png = tmp_path / "tiers.json", tmp_path / "tiers.png"
+    assert main(["bench", "kv-tiers", "--model", tiny_checkpoints["llama"], "--block-size", "16",
+                 "--num-conversations", "2", "--num-turns", "2", "--turn-len", "20", "40",
+                 "--output-len", "4", "--max-concurrency", "1", "--output-json", str(out),
+                 "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == ["none", "host", "redis", "host+redis"]
+    assert report["engine_args"]["num_kv_blocks"] < report["workload"]["working_set_blocks"]
+    for tier, r in results.items():
+        assert len(r["ttft_s"]) == 4 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0
+        assert r["output_tok_s"] > 0 and r["output_tokens"] == 16
+        assert tier == "none" or (r["agree"] == 4 and sum(r["tier_hits"].values()) > 0)
+    assert png.stat().st_size > 0
+    assert "| host+redis |" in capsys.readouterr().out

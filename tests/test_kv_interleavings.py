@@ -35,21 +35,61 @@ from tests.test_kv_load_recovery import add_stored, connected
 from tests.test_scheduler import BS, make_request, make_scheduler
 from tests.test_token_ledger import (POISON, AsyncRunner, RequestIds, prefix_keys,
                                      random_drafts, run_random_events)
+from treadle.config import KVTransferConfig
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole
+from treadle.kv_transfer.multi import MultiConnector, MultiConnectorMetadata
+from treadle.kv_transfer.offloading import OffloadingConnector
+from treadle.kv_transfer.registry import connector_class
 from treadle.kv_transfer.shared_storage import (BlockTransfer, SharedStorageConnector,
                                                 SharedStorageMetadata)
 from treadle.request import Request, RequestStatus
 
 
-def storage_config(root: str, load_async: bool) -> SimpleNamespace:
-    """What the connector reads of a TreadleConfig."""
-    return SimpleNamespace(
-        model=SimpleNamespace(model="kv-oracle", dtype=torch.int64, num_layers=1,
-                              num_kv_heads=1, head_dim=1),
+BLOCK_BYTES = 2 * BS * 8   # a block of the oracle's cache: K and V, one int64 each per slot
+
+
+@dataclasses.dataclass
+class OracleConfig:
+    """What the connectors read of a TreadleConfig (a dataclass: MultiConnector replaces its
+    kv_transfer per connector)."""
+
+    model: SimpleNamespace
+    cache: SimpleNamespace
+    parallel: SimpleNamespace
+    kv_transfer: KVTransferConfig
+
+
+def storage_config(root: str, load_async: bool, kind: str = "storage",
+                   host_blocks: int = 8) -> OracleConfig:
+    """Files in `root` ("storage"), a host tier of `host_blocks` blocks ("offloading"), or the
+    host tier, then the files ("multi")."""
+    files = {"kv_connector": "SharedStorageConnector",
+             "kv_connector_extra_config": {"shared_storage_path": root, "load_async": load_async}}
+    host = {"kv_connector": "OffloadingConnector",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": host_blocks * BLOCK_BYTES}}
+    spec = {"storage": files, "offloading": host,
+            "multi": {"kv_connector": "MultiConnector",
+                      "kv_connector_extra_config": {"connectors": [host, files]}}}[kind]
+    return OracleConfig(
+        model=SimpleNamespace(model="kv-oracle", dtype=torch.int64, quantization=None,
+                              num_layers=1, num_kv_heads=1, head_dim=1),
         cache=SimpleNamespace(block_size=BS),
-        kv_transfer=SimpleNamespace(kv_connector="SharedStorageConnector", kv_role="kv_both",
-                                    kv_connector_extra_config={"shared_storage_path": root,
-                                                               "load_async": load_async}))
+        parallel=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        kv_transfer=KVTransferConfig.from_dict({**spec, "kv_role": "kv_both"}))
+
+
+def block_stores(connector) -> list:
+    """The block stores behind a connector (a MultiConnector's, in order)."""
+    return connector.connectors if isinstance(connector, MultiConnector) else [connector]
+
+
+def without_poll_wait(meta):
+    """The step's metadata, its stores told not to wait for loads (none finishes by waiting)."""
+    if isinstance(meta, MultiConnectorMetadata):
+        return MultiConnectorMetadata([without_poll_wait(m) for m in meta.metas])
+    if isinstance(meta, SharedStorageMetadata):
+        return dataclasses.replace(meta, poll_wait_s=0.0)
+    return meta
 
 
 class TensorSlots:
@@ -105,21 +145,31 @@ class Faults:
 
 
 class StorageWorker:
-    """Both sides of a SharedStorageConnector over a folder, and the worker side's KV cache."""
+    """Both sides of a connector (files in a folder, a host tier, or both: storage_config) and
+    the worker side's KV cache."""
 
     def __init__(self, root: str, num_blocks: int, load_async: bool = False,
-                 load_steps: int = 2, fails: Callable[[int], bool] | None = None) -> None:
-        config = storage_config(root, load_async)
+                 load_steps: int = 2, fails: Callable[[int], bool] | None = None,
+                 kind: str = "storage", host_blocks: int = 8) -> None:
+        config = storage_config(root, load_async, kind, host_blocks)
         self.root = Path(root)
-        self.scheduler_side = SharedStorageConnector(config, KVConnectorRole.SCHEDULER)
-        self.connector = SharedStorageConnector(config, KVConnectorRole.WORKER)
+        self.kind = kind
+        cls = connector_class(config.kv_transfer.kv_connector)
+        self.scheduler_side = cls(config, KVConnectorRole.SCHEDULER)
+        self.connector = cls(config, KVConnectorRole.WORKER)
         self.cache = torch.zeros((2, num_blocks, BS, 1, 1), dtype=torch.int64)
         self.connector.register_kv_caches([self.cache])
         self.io = DeferredIO(load_steps)
-        self.connector._io = self.io
-        self.connector.injector = Faults(fails)
+        faults = Faults(fails)   # one draw per load, whichever store loads
+        for store in block_stores(self.connector):
+            store._io, store.injector = self.io, faults
+        self.host_tier = next((s for s in block_stores(self.connector)
+                               if isinstance(s, OffloadingConnector)), None)
+        self.host = self.host_tier.store if self.host_tier is not None else None
         self.slots = TensorSlots(self.cache)
-        # Another engine's worker side with the same weights: it fills the store (store()).
+        # Another engine's worker side with the same weights: it fills the files (store()).
+        config = storage_config(root, load_async)
+        self._names = SharedStorageConnector(config, KVConnectorRole.SCHEDULER)
         self._producer = SharedStorageConnector(config, KVConnectorRole.WORKER)
         self._scratch = torch.zeros((2, 2, BS, 1, 1), dtype=torch.int64)
         self._producer.register_kv_caches([self._scratch])
@@ -128,11 +178,8 @@ class StorageWorker:
 
     def before_forward(self, so) -> set[int]:
         """ModelRunner.execute_model up to the forward pass; returns the load errors so far."""
-        meta = so.kv_connector_metadata
-        if isinstance(meta, SharedStorageMetadata):
-            meta = dataclasses.replace(meta, poll_wait_s=0.0)   # no load finishes by waiting
         c = self.connector
-        c.bind_connector_metadata(meta)
+        c.bind_connector_metadata(without_poll_wait(so.kv_connector_metadata))
         _, self._recving = c.get_finished(so.finished_req_ids)
         c.start_load_kv()
         self._errors = c.get_block_ids_with_load_errors()
@@ -151,19 +198,31 @@ class StorageWorker:
 
     def store(self, request: Request, gen: int, num_blocks: int | None = None) -> None:
         """Another engine with the same weights (generation `gen`) stores the KV of the
-        request's prompt blocks, under the names this engine's connector gives them now."""
+        request's prompt blocks, under the names this engine's connector gives them now; a
+        host tier alone is no one else's to fill."""
+        if self.kind == "offloading":
+            return
+        self._names.weights_identity = block_stores(self.scheduler_side)[-1].weights_identity
         keys = prefix_keys(request.prompt_token_ids, gen)
         n = request.num_prompt_tokens // BS if num_blocks is None else num_blocks
         for i in range(n):
             self._scratch[:, 1, :, 0, 0] = torch.tensor(keys[i * BS:(i + 1) * BS])
-            key = self.scheduler_side.block_key(request.block_hashes[i])
+            key = self._names.block_key(request.block_hashes[i])
             self._producer.bind_connector_metadata(SharedStorageMetadata(
                 saves=[BlockTransfer(request.request_id, 1, key, i)]))
             self._producer.wait_for_save()
         self._producer.clear_connector_metadata()
 
     def damage(self, rng: random.Random) -> None:
-        """A stored block file is damaged: its load must fail (checksum or format)."""
+        """A stored block is damaged, in host memory or as a file: its load must fail
+        (checksum or format)."""
+        if self.host is not None and (self.kind == "offloading" or rng.random() < 0.5):
+            # Only a sealed block: one the saver still checksums would be sealed as damaged.
+            self.host_tier._wait_for_saves(sealed=True)
+            slots = sorted(self.host._slot[key] for key in self.host._crc)
+            if slots:
+                self.host.buffer[rng.choice(slots)].view(-1)[rng.randrange(2 * BS)] ^= 0x5A
+            return
         files = sorted(self.root.glob("*.kv"))
         if files:
             path = rng.choice(files)
@@ -173,15 +232,19 @@ class StorageWorker:
 
 def storage_runner(root: str, policy: str = "recompute", load_async: bool = False,
                    load_steps: int = 2, fails: Callable[[int], bool] | None = None,
-                   num_blocks: int = 40, scheduling: str = "fcfs",
-                   **kw) -> tuple[AsyncRunner, StorageWorker]:
-    worker = StorageWorker(root, num_blocks, load_async, load_steps, fails)
+                   num_blocks: int = 40, scheduling: str = "fcfs", kind: str = "storage",
+                   host_blocks: int = 8, **kw) -> tuple[AsyncRunner, StorageWorker]:
+    worker = StorageWorker(root, num_blocks, load_async, load_steps, fails, kind, host_blocks)
     sched = make_scheduler(num_blocks=num_blocks, policy=scheduling, **kw)
     sched.connector, sched.kv_load_failure_policy = worker.scheduler_side, policy
     return AsyncRunner(sched, worker=worker), worker
 
 
 # -- random interleavings ------------------------------------------------------------------------
+# The tiered connectors' examples, beside the ci profile's 500 of shared storage: within ~30 s.
+TIERED_EXAMPLES = 400
+
+
 @settings(deadline=None)
 @given(num_blocks=st.integers(10, 24), depth=st.sampled_from([1, 2, 3]),
        budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["recompute", "fail"]),
@@ -193,13 +256,38 @@ def test_shared_storage_under_random_interleavings(num_blocks: int, depth: int, 
                                                    num_events: int):
     """Loads (sync and async, failed by injection or by a damaged file), saves of everything
     computed, reused ids, resets, pauses and weight updates, drafts, sync and async scheduling."""
+    random_interleavings("storage", 8, num_blocks, depth, budget, policy, sched_policy,
+                         load_async, drafts, seed, num_events)
+
+
+@settings(deadline=None, max_examples=TIERED_EXAMPLES)
+@given(kind=st.sampled_from(["offloading", "multi"]), host_blocks=st.integers(1, 12),
+       num_blocks=st.integers(10, 24), depth=st.sampled_from([1, 2, 3]),
+       budget=st.sampled_from([8, 16, 64]), policy=st.sampled_from(["recompute", "fail"]),
+       sched_policy=st.sampled_from(["fcfs", "priority"]), load_async=st.booleans(),
+       drafts=st.booleans(), seed=st.integers(0, 2**32 - 1), num_events=st.integers(10, 100))
+def test_tiered_connectors_under_random_interleavings(kind: str, host_blocks: int,
+                                                      num_blocks: int, depth: int, budget: int,
+                                                      policy: str, sched_policy: str,
+                                                      load_async: bool, drafts: bool, seed: int,
+                                                      num_events: int):
+    """The same with a host tier (OffloadingConnector) of a few blocks, evicting as it goes, alone
+    or before the files (MultiConnector): blocks damaged in host memory too."""
+    random_interleavings(kind, host_blocks, num_blocks, depth, budget, policy, sched_policy,
+                         load_async, drafts, seed, num_events)
+
+
+def random_interleavings(kind: str, host_blocks: int, num_blocks: int, depth: int, budget: int,
+                         policy: str, sched_policy: str, load_async: bool, drafts: bool,
+                         seed: int, num_events: int) -> None:
     rng = random.Random(seed)
     fail_rate = rng.choice([0.0, 0.0, 0.2, 0.5])
     with tempfile.TemporaryDirectory() as root:
         runner, worker = storage_runner(root, policy, load_async, rng.randint(1, 4),
                                         lambda i: rng.random() < fail_rate,
                                         num_blocks=num_blocks, budget=budget,
-                                        scheduling=sched_policy)
+                                        scheduling=sched_policy, kind=kind,
+                                        host_blocks=host_blocks)
         if drafts:
             runner.propose = random_drafts(random.Random(seed + 1))
         ids = RequestIds(runner, rng)

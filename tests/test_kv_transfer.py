@@ -24,7 +24,9 @@ def run(llm: LLM, prompts: list[list[int]]):
 
 # -- configuration --------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, field", [
-    ({"kv_connector": "NoSuchConnector"}, "kv_connector must be one of SharedStorageConnector"),
+    ({"kv_connector": "NoSuchConnector"}, "kv_connector must be one of MultiConnector, "
+                                          "OffloadingConnector, RedisConnector, "
+                                          "SharedStorageConnector"),
     ({"kv_role": "kv_sender"}, "kv_role must be one of kv_producer, kv_consumer, kv_both"),
     ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be one of recompute, fail"),
     ({"kv_connector_extra_config": {}}, "needs shared_storage_path"),

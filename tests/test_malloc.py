@@ -49,6 +49,33 @@ def test_malloc_tuned_by_the_user_is_left_alone():
     assert done.stdout.split()[-1] == "False", done.stderr
 
 
+
+TRIM_PROBE = """
+import torch
+from treadle.worker.malloc import keep_freed_memory, return_freed_memory
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+assert keep_freed_memory()
+loading = [torch.empty(4 << 18, dtype=torch.float32).fill_(1.0) for _ in range(64)]  # 256 MiB
+del loading
+kept = rss()
+return_freed_memory()
+print(kept, rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_start_up_temporaries_go_back_to_the_kernel():
+    """The heap keeps what loading freed (it is under the trim threshold) until the runner
+    returns it once after start-up, as `init_kv_cache` does."""
+    done = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    kept, after = map(int, done.stdout.split()[-2:])
+    assert kept - after > 200 << 20, (kept, after)
+
+
 # Waves of eight prompts of 256 tokens (fp32), each a step of 2,048 tokens, on the thread that
 # steps the model: `AsyncLLM`'s engine thread, or the worker thread of async scheduling under
 # `LLM`. The probe prints each wave's page faults; the first grows the heap. AsyncLLM is paused

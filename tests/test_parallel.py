@@ -75,8 +75,7 @@ def assert_exact(outputs, prompts, ref, max_tokens: int = MAX_TOKENS) -> None:
     ({"pipeline_parallel_size": 31}, "exceeds the model's 30 layers"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
     ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "world size 2 needs 'mp'"),
-    ({"distributed_executor_backend": "ray"}, "'ray' is not built yet"),
-    ({"distributed_executor_backend": "threads"}, "must be one of mp, uni"),
+    ({"distributed_executor_backend": "threads"}, "must be one of mp, ray, uni"),
     ({"max_worker_restarts": 1}, "max_worker_restarts replaces worker processes: it needs "
                                  "distributed_executor_backend 'mp', got 'uni'"),
     ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram"}},

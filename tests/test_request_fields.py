@@ -377,6 +377,12 @@ def test_weight_updates_refuse_unknown_fields(server):
 
 
 # -- prompt_logprobs -----------------------------------------------------------------------------
+def close(got: float, want: float) -> bool:
+    """fp32 logprobs from GEMMs summed in another order: a few ulps of logits of magnitude 40
+    (a logprob of -36.4558 came back 1.4e-4 off on a Zen 5, the same on the last commit)."""
+    return abs(got - want) < 1e-4 + 1e-5 * abs(want)
+
+
 def test_prompt_logprobs_equal_transformers(client, model_path, reference):
     """vLLM's prompt_logprobs on both endpoints: each prompt token's logprob (transformers'),
     with the top N and ranks; none for the first token."""
@@ -388,7 +394,7 @@ def test_prompt_logprobs_equal_transformers(client, model_path, reference):
     assert lps[0] is None and len(lps) == len(prompt)
     for position, entry in enumerate(lps[1:], start=1):
         chosen = entry[str(prompt[position])]
-        assert abs(chosen["logprob"] - expected[position - 1]) < 1e-4
+        assert close(chosen["logprob"], expected[position - 1])
         top = sorted((e for e in entry.values() if e["rank"] <= 2), key=lambda e: e["rank"])
         assert [e["rank"] for e in top] == [1, 2] and top[0]["logprob"] >= top[1]["logprob"]
         assert len(entry) <= 3 and all(e["decoded_token"] is not None for e in entry.values())
@@ -400,7 +406,7 @@ def test_prompt_logprobs_equal_transformers(client, model_path, reference):
     expected = reference(model_path).prompt_logprobs(ids).tolist()
     got = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], chat.prompt_logprobs[1:])]
     assert chat.prompt_logprobs[0] is None
-    assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+    assert all(close(a, b) for a, b in zip(got, expected))
 
 
 @pytest.mark.parametrize("body", [{"stream": True, "prompt_logprobs": 1},

@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints, saved as real HF folders for tests.
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints (and Qwen3-MoE / Mixtral), saved as real HF
+folders for tests.
 
 Each folder (config.json, model.safetensors, the SmolLM2 tokenizer and chat template) loads
 like any local model. Shapes: hidden 64, 3 layers, 4 query heads sharing 2 KV heads (GQA),
@@ -22,6 +23,13 @@ import torch
 from treadle.models.loader import default_model_path, load_tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+# Phi-3 with LongRoPE (an original context of 256 of 1,024 positions), RoPE over half of each head
+# (as Phi-4-mini over three quarters), and Mistral with a window wider than the tests' prompts.
+OTHER_ARCHS = ("phi3", "mistral")
+# Gemma 2 and 3 with 24-token windows, shorter than the tests' prompts, on local layers around a
+# global one; Gemma 2 soft-caps scores and logits, Gemma 3 has two RoPE bases.
+GEMMA_ARCHS = ("gemma2", "gemma3")
 
 # arch -> (config class, model class, arch-specific config). Different rope_theta per arch,
 # so a model that ignores the config's value fails on at least two of them.
@@ -29,6 +37,28 @@ _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 10000.0}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1000000.0}),  # q/k/v bias
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 500000.0}),  # q/k RMSNorm
+    # Mixtures of experts: 4 experts, 2 per token. Qwen3-MoE's middle layer is a dense MLP
+    # (mlp_only_layers), so one model holds both kinds; its top-k weights are not renormalised
+    # (norm_topk_prob=False), Mixtral's always are.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"rope_theta": 1000000.0, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "mlp_only_layers": [1], "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"rope_theta": 1000000.0, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 256,
+              "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                               "long_factor": [2.0 + 0.5 * i for i in range(4)]}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"rope_theta": 1000000.0, "sliding_window": 512}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"rope_theta": 10000.0, "sliding_window": 24, "query_pre_attn_scalar": 24,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"sliding_window": 24, "query_pre_attn_scalar": 24,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
 }
 # llama is tied unless asked otherwise: the shared fixtures then cover both head layouts.
 _TIED_BY_DEFAULT = {"llama"}
@@ -40,8 +70,9 @@ _INIT_STD = {False: 0.2, True: 0.3}
 _HEAD_ROW_LOG_STD = {False: 1.0, True: 0.5}
 
 
-def tiny_config(arch: str, tokenizer, *, tie_word_embeddings: bool):
-    """The transformers config for one tiny architecture, ids taken from the tokenizer."""
+def tiny_config(arch: str, tokenizer, *, tie_word_embeddings: bool, **overrides):
+    """The transformers config for one tiny architecture, ids taken from the tokenizer;
+    `overrides` replace the arch's own settings."""
     import transformers
 
     config_name, _, extra = _ARCHS[arch]
@@ -50,7 +81,8 @@ def tiny_config(arch: str, tokenizer, *, tie_word_embeddings: bool):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
         rms_norm_eps=1e-6, initializer_range=_INIT_STD[tie_word_embeddings],
         tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **{**extra, **overrides})
 
 
 @torch.no_grad()
@@ -66,10 +98,11 @@ def _sharpen(model: torch.nn.Module, init_std: float, head_row_log_std: float) -
 
 
 def make_tiny_checkpoint(arch: str, path: str | os.PathLike, *,
-                         tie_word_embeddings: bool | None = None, seed: int = 0) -> str:
+                         tie_word_embeddings: bool | None = None, seed: int = 0, **overrides) -> str:
     """Build a random `arch` model and save it with its tokenizer as an HF folder at `path`.
 
-    tie_word_embeddings=None takes the arch's default (llama tied, qwen2/qwen3 not).
+    tie_word_embeddings=None takes the arch's default (llama tied, qwen2/qwen3 not); `overrides`
+    are config settings (a shorter sliding_window, say).
     """
     import transformers
 
@@ -77,7 +110,7 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, *,
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
     tied = arch in _TIED_BY_DEFAULT if tie_word_embeddings is None else tie_word_embeddings
     tokenizer = load_tokenizer(default_model_path())
-    config = tiny_config(arch, tokenizer, tie_word_embeddings=tied)
+    config = tiny_config(arch, tokenizer, tie_word_embeddings=tied, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, _ARCHS[arch][1])(config).eval()
     _sharpen(model, _INIT_STD[tied], _HEAD_ROW_LOG_STD[tied])

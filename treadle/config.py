@@ -14,6 +14,7 @@ import torch
 
 from treadle.attention.backend import check_attention_backend
 from treadle.executor.registry import EXECUTORS
+from treadle.models.rope import longrope_original_len
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,26 @@ class KVTransferConfig:
         if missing:
             raise ValueError(f"kv_transfer_config.kv_connector_extra_config needs "
                              f"{', '.join(missing)} for {config.kv_connector}")
+        connector.check_config(config)
         return config
+
+    @classmethod
+    def from_engine_args(cls, spec: dict[str, Any] | str | None, kv_offloading_size: float | None
+                         ) -> "KVTransferConfig | None":
+        """`kv_transfer_config`, or the one `kv_offloading_size` (GiB, vLLM's shorthand) stands
+        for: a host-memory OffloadingConnector of that size."""
+        if kv_offloading_size is None:
+            return cls.from_dict(spec) if spec is not None else None
+        if spec is not None:
+            raise ValueError("give kv_offloading_size or kv_transfer_config, not both: "
+                             "kv_offloading_size stands for an OffloadingConnector's "
+                             "kv_transfer_config")
+        size = kv_offloading_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size <= 2**30:
+            raise ValueError(f"kv_offloading_size must be a size in GiB > 0 (at most 2**30), "
+                             f"got {size!r}")
+        return cls.from_dict({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"cpu_bytes_to_use": int(size * 2**30)}})
 
 
 @dataclass
@@ -163,6 +183,38 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured_outputs_config.compilation_timeout_s must be a number "
                              f">= 0 (0: no limit), got {timeout!r}")
         return config
+
+
+WEIGHT_TRANSFER_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class WeightTransferConfig:
+    """`weight_transfer_config={"backend": "gloo" | "nccl"}`, as in vLLM: a trainer process
+    broadcasts new weights to every worker (treadle/distributed/weight_transfer.py). gloo is the
+    CPU transport, NCCL the GPU one. `timeout_s` bounds each step of a transfer (setting up the
+    group, one broadcast); an init_info's "timeout" overrides it for that group."""
+
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | str) -> "WeightTransferConfig":
+        config = cls(**_json_fields("weight_transfer_config", spec, cls))
+        if config.backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(f"weight_transfer_config.backend must be one of "
+                             f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}; got {config.backend!r}")
+        timeout = config.timeout_s
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout < float("inf")):
+            raise ValueError(f"weight_transfer_config.timeout_s must be a number of seconds > 0, "
+                             f"got {timeout!r}")
+        return config
+
+    def check_device(self, device: str) -> None:
+        if self.backend == "nccl" and not device.startswith("cuda"):
+            raise ValueError(f"weight_transfer_config.backend 'nccl' needs a CUDA device, the "
+                             f"engine runs on {device!r}: use 'gloo'")
 
 
 @dataclass
@@ -212,6 +264,7 @@ class TreadleConfig:
     attention_backend: str | None = None   # None: the best for the device (attention/backend.py)
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    weight_transfer: WeightTransferConfig | None = None
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = dataclasses.field(
         default_factory=StructuredOutputsConfig)
@@ -243,13 +296,15 @@ class EngineArgs:
     async_scheduling: bool = False
     speculative_config: dict[str, Any] | str | None = None
     kv_transfer_config: dict[str, Any] | str | None = None
+    kv_offloading_size: float | None = None   # GiB of host memory for KV (OffloadingConnector)
+    weight_transfer_config: dict[str, Any] | str | None = None
     structured_outputs_config: dict[str, Any] | str | None = None
     seed: int = 0
     device: str | None = None
-    attention_backend: str | None = None   # "cpu" | "torch"; None: the best for the device
+    attention_backend: str | None = None   # "cpu" | "torch" | "triton"; None: best for the device
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    # "uni" (in this process) or "mp" (worker processes); None: uni at world size 1, else mp.
+    # "uni" (in this process), "mp" (worker processes) or "ray"; None: uni at world size 1, else mp.
     distributed_executor_backend: str | None = None
     master_port: int | None = None
     max_worker_restarts: int = 0
@@ -263,15 +318,16 @@ class EngineArgs:
 
         start = time.perf_counter()
         # Checked before the model is touched: a typo must not cost a model load.
-        kv_transfer = (KVTransferConfig.from_dict(self.kv_transfer_config)
-                       if self.kv_transfer_config is not None else None)
+        kv_transfer = KVTransferConfig.from_engine_args(self.kv_transfer_config,
+                                                        self.kv_offloading_size)
+        weight_transfer = (WeightTransferConfig.from_dict(self.weight_transfer_config)
+                           if self.weight_transfer_config is not None else None)
         parallel = self._parallel_config()
         structured = StructuredOutputsConfig.from_dict(self.structured_outputs_config or {})
-        if kv_transfer is not None and parallel.world_size > 1:
-            raise ValueError("kv_transfer_config with more than one worker is not supported yet: "
-                             "use pipeline_parallel_size=1 and tensor_parallel_size=1")
         device = self.device or _default_device()
         _check_device(device)
+        if weight_transfer is not None:
+            weight_transfer.check_device(device)
         if self.attention_backend is not None:
             check_attention_backend(self.attention_backend, torch.device(device))
         for name in ("revision", "download_dir"):
@@ -343,16 +399,13 @@ class EngineArgs:
         return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                              attention_backend=self.attention_backend,
                              speculative=spec_cfg, kv_transfer=kv_transfer, parallel=parallel,
-                             structured_outputs=structured)
+                             structured_outputs=structured, weight_transfer=weight_transfer)
 
     def _parallel_config(self) -> ParallelConfig:
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         world_size = self.pipeline_parallel_size * self.tensor_parallel_size
         backend = self.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend 'ray' is not built yet; "
-                             f"use one of {', '.join(sorted(EXECUTORS))}")
         if backend not in EXECUTORS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{', '.join(sorted(EXECUTORS))}; got {backend!r}")
@@ -364,10 +417,11 @@ class EngineArgs:
         if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, "
                              f"got {self.max_worker_restarts!r}")
-        if self.max_worker_restarts and backend == "uni":
-            # The worker shares this process: a failure there ends the engine, with nothing to replace.
+        if self.max_worker_restarts and backend != "mp":
+            # uni: the worker shares this process, so a failure there ends the engine. ray:
+            # Ray's own actor restarts are the tool there, and ours is untested with it.
             raise ValueError("max_worker_restarts replaces worker processes: it needs "
-                             "distributed_executor_backend 'mp', got 'uni'")
+                             f"distributed_executor_backend 'mp', got {backend!r}")
         return ParallelConfig(self.pipeline_parallel_size, self.tensor_parallel_size,
                               backend, self.master_port, self.max_worker_restarts)
 
@@ -396,6 +450,19 @@ def _max_model_len(requested: int | None, hf_config: Any) -> int:
     """The user's max_model_len, or the model's own limit; past that limit only with
     TREADLE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
     model_max = getattr(hf_config, "max_position_embeddings", None)
+    longrope = longrope_original_len(hf_config)
+    if longrope is not None and (model_max or 0) > longrope:
+        # Past its original context a LongRoPE model recomputes the whole sequence with other
+        # factors (models/rope.py); until the engine does the same, it stops there.
+        if requested is not None and requested > longrope:
+            raise ValueError(
+                f"max_model_len ({requested}) is past the model's original context "
+                f"({longrope}), where LongRoPE switches factors, which treadle does not do yet; "
+                f"lower max_model_len to at most {longrope}")
+        if requested is None:
+            logger.warning("LongRoPE past the original context (%d) is not supported yet: "
+                           "max_model_len is capped at %d", longrope, longrope)
+        model_max = longrope
     if requested is None:
         return model_max or 2048
     _check_positive("max_model_len", requested)
@@ -409,6 +476,19 @@ def _max_model_len(requested: int | None, hf_config: Any) -> int:
                        "(%s=1); output past position %d may be garbage", requested, model_max,
                        ALLOW_LONG_MAX_MODEL_LEN, model_max)
     return requested
+
+
+def sliding_window(hf_config: Any) -> int | None:
+    """The window of the model's sliding-window layers, or None where every layer attends to
+    every earlier token (Qwen2 and Qwen3 configs carry a window they do not use). Which layers
+    have it: models/llama.py's `layer_window`."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(hf_config, "use_sliding_window", True) else None
 
 
 def _check_device(device: str) -> None:
@@ -481,7 +561,7 @@ def max_steps_in_flight(config: TreadleConfig) -> int:
 
 # The most the default KV cache takes on CPU, and the share of the memory still available it
 # may take: the machine's other work (and the model's activations) need the rest.
-CPU_KV_CACHE_MAX_BYTES = 2 << 30
+CPU_KV_CACHE_MAX_BYTES = 1 << 30
 CPU_KV_CACHE_MEMORY_FRACTION = 0.25
 
 
@@ -490,7 +570,7 @@ def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None) 
     `per_block`: bytes of one block on this worker (its layers and KV heads); else the model's.
 
     On CPU the default is what `max_num_seqs` requests of `max_model_len` tokens can use, and no
-    more, bounded by a quarter of the available memory and by 2 GiB (shared by the workers).
+    more, bounded by a quarter of the available memory and by 1 GiB (shared by the workers).
     """
     cache, model = config.cache, config.model
     per_block = per_block or cache.bytes_per_block(model)

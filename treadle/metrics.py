@@ -2,7 +2,8 @@
 
 Two sources: request outcomes and latencies, observed by the output processor as tokens arrive;
 and the engine's state (running and waiting requests, KV usage, prefix cache, preemptions,
-speculative decoding), read from `SchedulerStats` when the metrics are scraped.
+speculative decoding, KV connectors' stores), read from `SchedulerStats` when the metrics are
+scraped.
 """
 
 from __future__ import annotations
@@ -79,6 +80,32 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(spec.accepted_per_position):
             per_pos.add_metric([str(position)], count)
         yield per_pos
+        yield from _kv_tier_metrics(s)
+
+
+# KVTierStats fields as metrics, labelled by connector: (field, name, help, counter or gauge).
+_KV_TIER_METRICS = (
+    ("hits", "kv_tier_hits", "KV blocks a connector's store was asked to load", True),
+    ("misses", "kv_tier_misses", "KV blocks past the prefix-cache hit a store did not have", True),
+    ("failed_loads", "kv_tier_failed_loads", "KV block loads that failed", True),
+    ("bytes_loaded", "kv_tier_loaded_bytes", "Bytes of KV loaded from a store", True),
+    ("bytes_saved", "kv_tier_saved_bytes", "Bytes of KV saved to a store", True),
+    ("evictions", "kv_tier_evictions", "KV blocks a store evicted to stay within its budget", True),
+    ("dropped_saves", "kv_tier_dropped_saves", "KV block saves dropped (store down or busy)", True),
+    ("bytes_stored", "kv_tier_stored_bytes", "Bytes of KV a store holds (0: not tracked)", False),
+    ("capacity_bytes", "kv_tier_capacity_bytes", "A store's budget in bytes (0: unbounded)", False),
+)
+
+
+def _kv_tier_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    if not stats.kv_tiers:
+        return
+    for attr, name, text, is_counter in _KV_TIER_METRICS:
+        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
+            f"treadle:{name}", text, labels=["connector"])
+        for tier in stats.kv_tiers:
+            family.add_metric([tier.connector], getattr(tier, attr))
+        yield family
 
 
 class PrometheusMetrics:

@@ -5,9 +5,9 @@ metadata runs every layer's attention for the step (`AttentionMetadata.attend`).
 layers hold only their shape (`PagedAttention`) and never name a backend, so the runner picks
 one per device and the models stay the same:
   - `cpu`: the C++ kernels (treadle/kernels), reading K/V through the block table;
-  - `torch`: gathers and SDPA in plain torch, on any device.
-A new backend (Triton on CUDA) is a module with an `AttentionBackend` subclass and a line in
-`BACKENDS`.
+  - `torch`: gathers and SDPA in plain torch, on any device;
+  - `triton`: Triton kernels on CUDA (on a CPU only under TRITON_INTERPRET=1, for tests).
+A new backend is a module with an `AttentionBackend` subclass and a line in `BACKENDS`.
 
 Every backend shares the cache layout [2, num_blocks, block_size, num_kv_heads, head_dim] per
 layer and the step's token order: decodes first (one query token each, longest context first),
@@ -29,18 +29,23 @@ from treadle.registry import lookup
 BACKENDS: dict[str, str] = {
     "cpu": "treadle.attention.cpu_backend:CpuKernelBackend",
     "torch": "treadle.attention.torch_backend:TorchBackend",
+    "triton": "treadle.attention.triton_backend:TritonBackend",
 }
 
 
 @dataclass(frozen=True)
 class PagedAttention:
     """One layer's attention as the model sees it: its shape on this rank, and a call that the
-    step's metadata carries out."""
+    step's metadata carries out. A query at position p sees keys at p - sliding_window + 1..p
+    where the layer has a window (transformers' q_idx - kv_idx < sliding_window); scores are
+    soft-capped, logit_softcap * tanh(score / logit_softcap), where it has a cap (Gemma 2)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
 
     @property
     def group_size(self) -> int:
@@ -93,10 +98,15 @@ class AttentionBackend(ABC):
     def slot_mapping(self, query_lens: np.ndarray, positions: np.ndarray,
                      block_table: np.ndarray) -> torch.Tensor:
         """The flat cache slot of every new token."""
+        return torch.from_numpy(self.slots(query_lens, positions, block_table)).to(self.device)
+
+    def slots(self, query_lens: np.ndarray, positions: np.ndarray,
+              block_table: np.ndarray) -> np.ndarray:
+        """The flat cache slot of every new token, on the host (int64)."""
         req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
         bs = self.block_size
         slots = block_table[req_of_token, positions // bs] * bs + positions % bs
-        return torch.from_numpy(slots.astype(np.int64)).to(self.device)
+        return slots.astype(np.int64)
 
 
 def count_decodes(query_lens: np.ndarray, context_lens: np.ndarray) -> int:

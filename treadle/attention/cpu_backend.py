@@ -41,9 +41,10 @@ class CpuKernelMetadata(AttentionMetadata):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # q may be a strided view
         n = self.num_decodes
+        window, softcap = layer.sliding_window or 0, layer.logit_softcap or 0.0   # 0: none
         if (d := self.decodes) is not None:
             torch.ops.treadle.paged_decode_attention(
-                out[:n], q[:n], k_cache, v_cache, d.block_table, d.seq_lens, layer.scale)
+                out[:n], q[:n], k_cache, v_cache, d.block_table, d.seq_lens, layer.scale, window, softcap)
         if (p := self.prefills) is not None:
             # Every prefill chunk goes to the kernel: it beat the torch path in every shape
             # measured (2 cores, SmolLM2-135M's 9 heads on 3 KV heads of 64, one layer, median ms
@@ -52,7 +53,7 @@ class CpuKernelMetadata(AttentionMetadata):
             # 1.1/0.9; 4 prompts of 128 1.6/1.7 -> 1.0/1.0.
             torch.ops.treadle.paged_prefill_attention(
                 out[n:], q[n:], k_cache, v_cache, p.block_table, p.query_start, p.context_lens,
-                layer.scale)
+                layer.scale, window, softcap)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
 

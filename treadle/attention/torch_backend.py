@@ -8,14 +8,18 @@
   - Each prefill chunk attends to its cached context plus itself, with an explicit
     bottom-right-aligned causal mask (`is_causal=True` aligns top-left, which is wrong
     whenever the query is shorter than the keys).
-Neither path copies K/V out to every query head (as transformers' repeat_kv does). On CPU the
-`cpu` backend (cpu_backend.py) serves instead wherever the C++ kernels are built.
+  - A layer with a sliding window masks the keys before its window, with masks built on first
+    use per window and step; a soft-capped layer (Gemma 2) computes its scores in the open, as
+    SDPA cannot cap them.
+Neither path copies K/V out to every query head (as transformers' repeat_kv does), but for a
+soft-capped layer's prefill chunks. On CPU the `cpu` backend (cpu_backend.py) serves instead
+wherever the C++ kernels are built.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,6 +61,17 @@ class DecodeChunk:
     rows: slice                 # which decode tokens (rows of the step) this chunk holds
     block_ids: torch.Tensor     # [n * max_blocks] their block tables, padded with the null block
     mask: torch.Tensor          # [n, 1, 1, max_blocks * block_size] key positions in use
+    seq_lens: torch.Tensor      # [n, 1] int64, counting the new token
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """`mask`, less the keys before each query's window: the query sits at seq_len - 1."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.window_masks[window] = self.mask & (key_pos >= self.seq_lens - window)[:, None, None, :]
+        return self.window_masks[window]
 
 
 @dataclass
@@ -66,6 +81,19 @@ class PrefillSpan:
     context_len: int                 # tokens already cached before this chunk
     block_ids: torch.Tensor | None   # blocks covering context + chunk; None without context
     mask: torch.Tensor | None        # [q_len, context_len + q_len] bool; None without context
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The causal mask (None: plain causal over the chunk alone), less the keys before each
+        query's window."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            total = self.context_len + self.q_end - self.q_start
+            key_pos = torch.arange(total, device=device)
+            query_pos = torch.arange(self.context_len, total, device=device)[:, None]
+            self.window_masks[window] = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -89,24 +117,22 @@ class TorchMetadata(AttentionMetadata):
             # The query heads sharing a KV head become that head's queries: one query token
             # sees the same keys from every head of a group. Several times faster than
             # enable_gqa on CPU (6x in bf16).
-            o = F.scaled_dot_product_attention(
-                q[chunk.rows].view(n, hkv, layer.group_size, d),
+            o = _attention(
+                layer, q[chunk.rows].view(n, hkv, layer.group_size, d),
                 kd.view(n, -1, hkv, d).transpose(1, 2), vd.view(n, -1, hkv, d).transpose(1, 2),
-                attn_mask=chunk.mask, scale=layer.scale)
+                chunk.mask_for(layer.sliding_window))
             out[chunk.rows] = o.reshape(n, layer.num_heads, d)
         for span in self.prefills:
             qp = q[span.q_start:span.q_end].transpose(0, 1).unsqueeze(0)
+            mask = span.mask_for(layer.sliding_window, q.device)
             if span.context_len == 0:
                 kp, vp = k[span.q_start:span.q_end], v[span.q_start:span.q_end]
-                causal, mask = True, None
             else:
-                total = span.mask.shape[1]
+                total = span.context_len + span.q_end - span.q_start
                 kp, vp = self._gather(k_cache, v_cache, span.block_ids)
                 kp, vp = kp.view(-1, hkv, d)[:total], vp.view(-1, hkv, d)[:total]
-                causal, mask = False, span.mask
-            o = F.scaled_dot_product_attention(
-                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=layer.scale, enable_gqa=True)
+            o = _attention(layer, qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                           mask)
             out[span.q_start:span.q_end] = o.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], layer.num_heads * d)
 
@@ -115,6 +141,26 @@ class TorchMetadata(AttentionMetadata):
         k_out, v_out = self.gather_buffer.take(k_cache, block_ids.shape[0])
         return (torch.index_select(k_cache, 0, block_ids, out=k_out),
                 torch.index_select(v_cache, 0, block_ids, out=v_out))
+
+
+def _attention(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+    """q [..., Hq, Tq, D] against k/v [..., Hkv, Tk, D] (Hq a multiple of Hkv); mask [Tq, Tk]
+    bool or broadcastable to the scores, None: causal over Tq == Tk."""
+    if layer.logit_softcap is None:
+        # Decodes come with KV heads and queries paired already: no enable_gqa (slower on CPU).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=layer.scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    # As transformers' eager attention for Gemma 2: scaled scores, capped, masked, fp32 softmax.
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / layer.logit_softcap) * layer.logit_softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class TorchBackend(AttentionBackend):
@@ -177,5 +223,6 @@ def _decode_chunks(seq_lens: np.ndarray, block_table: np.ndarray, block_size: in
         chunks.append(DecodeChunk(
             rows=rows,
             block_ids=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64).ravel()).to(device),
-            mask=(key_pos[None, :] < lens[:, None])[:, None, None, :]))
+            mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
+            seq_lens=lens[:, None]))
     return chunks

@@ -457,7 +457,8 @@ class Scheduler:
             kv_cache_usage=kv.pool.usage(), prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits, num_preemptions=self.num_preemptions,
             spec_decoding=dataclasses.replace(self.spec_stats,
-                                              accepted_per_position=list(self.spec_stats.accepted_per_position)))
+                                              accepted_per_position=list(self.spec_stats.accepted_per_position)),
+            kv_tiers=self.connector.get_stats() if self.connector is not None else [])
 
     def num_in_flight_tokens(self) -> int:
         """Output tokens scheduled and not yet returned, stale ones included."""

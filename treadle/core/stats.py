@@ -32,6 +32,23 @@ class SpecDecodingStats:
 
 
 @dataclass
+class KVTierStats:
+    """One KV connector's store, counted by its scheduler side; blocks, bytes and counters are
+    totals since start-up, except the two gauges at the end."""
+
+    connector: str                 # its kv_connector name
+    hits: int = 0                  # blocks past the local prefix hit that it was asked to load
+    misses: int = 0                # blocks past the local prefix hit that it did not have
+    failed_loads: int = 0          # of the hits, blocks whose load failed
+    bytes_loaded: int = 0          # hits that loaded, in bytes
+    bytes_saved: int = 0
+    evictions: int = 0             # blocks dropped to stay within its budget
+    dropped_saves: int = 0         # block saves (one rank's part each) dropped: store down or busy
+    bytes_stored: int = 0          # gauge: what it holds now (0: not tracked, e.g. files)
+    capacity_bytes: int = 0        # gauge: its budget (0: unbounded)
+
+
+@dataclass
 class SchedulerStats:
     """A snapshot; the counters are totals since start-up."""
 
@@ -42,3 +59,4 @@ class SchedulerStats:
     prefix_cache_hits: int         # of those, found in the cache
     num_preemptions: int
     spec_decoding: SpecDecodingStats
+    kv_tiers: list[KVTierStats] = field(default_factory=list)   # one per KV connector store

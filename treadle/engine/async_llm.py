@@ -25,6 +25,7 @@ from treadle.engine.errors import EngineBusyError, EngineDeadError
 from treadle.engine.input_processor import InputProcessor, PromptType
 from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.status import engine_status
+from treadle.engine.weight_transfer import update_info_of
 from treadle.metrics import PrometheusMetrics
 from treadle.models.loader import load_tokenizer
 from treadle.outputs import RequestOutput
@@ -257,8 +258,23 @@ class AsyncLLM:
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              weight_version: Any = None) -> int:
         """Copy (transformers parameter name, tensor) pairs into the model in place; a subset is
-        fine. Refused while requests run unless paused. The prefix cache is dropped afterwards."""
-        return await self._call(self.core.update_weights, list(named_tensors), weight_version)
+        fine. Refused while requests run unless paused. The prefix cache is dropped afterwards.
+        Given a weight-transfer request ({"update_info": {...}}), receive that part of a round."""
+        if update_info_of(named_tensors) is None:
+            named_tensors = list(named_tensors)
+        return await self._call(self.core.update_weights, named_tensors, weight_version)
+
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        """Join the trainer's group: {"init_info": {master_address, master_port, rank_offset,
+        world_size}} (treadle/distributed/weight_transfer.py)."""
+        await self._call(self.core.init_weight_transfer_engine, request)
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        await self._call(self.core.start_weight_update, is_checkpoint_format)
+
+    async def finish_weight_update(self, weight_version: Any = None) -> int:
+        """Apply the round received since start_weight_update; returns the weights set."""
+        return await self._call(self.core.finish_weight_update, weight_version)
 
     async def load_weights(self, path: str, weight_version: Any = None) -> int:
         return await self._call(self.core.load_weights, path, weight_version)

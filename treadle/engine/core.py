@@ -21,6 +21,7 @@ from treadle.core.scheduler import Scheduler
 from treadle.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
+from treadle.engine.weight_transfer import WeightTransfer, update_info_of
 from treadle.engine.weights import ServedWeights
 from treadle.engine.worker_restart import restart_refusal, restart_workers
 from treadle.executor.base import WorkerFailedError
@@ -80,6 +81,7 @@ class EngineCore:
         self.paused = False
         self.asleep: set[str] = set()     # parts put to sleep and not woken yet
         self.weights = ServedWeights()
+        self.weight_transfer = WeightTransfer(config.weight_transfer)
         self.num_worker_restarts = 0
 
     # -- requests ----------------------------------------------------------------------
@@ -267,7 +269,13 @@ class EngineCore:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        weight_version: Any = None) -> int:
-        """Copy (transformers name, tensor) pairs into the model in place; a subset is fine."""
+        """Copy (transformers name, tensor) pairs into the model in place; a subset is fine.
+        Given a weight-transfer request instead ({"update_info": {...}} or an object with
+        .update_info), receive that part of a round from the trainer; returns the count."""
+        update_info = update_info_of(named_tensors)
+        if update_info is not None:
+            self._check_transfer_quiet("update_weights")
+            return self.weight_transfer.update(self.executor, update_info, weight_version)
         named_tensors = list(named_tensors)
         return self._change_weights("update_weights", named_tensors,
                                     lambda: self.weights.updated(named_tensors, weight_version))
@@ -293,13 +301,40 @@ class EngineCore:
             self.executor.collective_rpc("check_weights", (
                 source if isinstance(source, str) else [(n, tuple(t.shape)) for n, t in source],))
         count = self.executor.collective_rpc(worker_method, (source,))[0]
-        self.weights = served_after()
+        self._weights_changed(served_after())
+        return count
+
+    def _weights_changed(self, served: ServedWeights) -> None:
+        self.weights = served
         # No KV computed with the old weights may be read again, nor any computed on top of it
         # be stored under the new identity.
         self.scheduler.weights_changed(self.weights.identity)
         logger.info("weights updated; weight_version=%r (identity %s)", self.weights.label,
                     self.weights.identity[:12])
+
+    # -- weights from a trainer process (engine/weight_transfer.py) -------------------------
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        """Every worker joins the trainer's group: {"init_info": {...}} or init_info itself."""
+        self.weight_transfer.init(self.executor, request)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self._check_transfer_quiet("start_weight_update")
+        self.weight_transfer.start(self.executor, is_checkpoint_format)
+
+    def finish_weight_update(self, weight_version: Any = None) -> int:
+        """Apply everything received since start_weight_update, on every rank at once."""
+        self._check_transfer_quiet("finish_weight_update")
+        self.drain()
+        self._wait_for_kv_transfers()   # no load may land KV of the old weights after it
+        count, digest, label = self.weight_transfer.finish(self.executor, weight_version)
+        self._weights_changed(self.weights.transferred(digest, label))
         return count
+
+    def _check_transfer_quiet(self, what: str) -> None:
+        self._check_quiet(what)
+        if "weights" in self.asleep:
+            raise RuntimeError(f"{what} needs the weights awake: call wake_up() first (after "
+                               "sleep(level=2), reload them with load_weights)")
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: drop the KV cache (and offload weights on GPU). Level 2: drop weights too."""

@@ -106,8 +106,21 @@ class LLM:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        weight_version: Any = None) -> int:
-        """Copy (transformers parameter name, tensor) pairs into the model in place."""
+        """Copy (transformers parameter name, tensor) pairs into the model in place; or, given a
+        weight-transfer request ({"update_info": {...}}), receive that part of a round."""
         return self.engine.core.update_weights(named_tensors, weight_version)
+
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        """Join the trainer's group: {"init_info": {master_address, master_port, rank_offset,
+        world_size}} (treadle/distributed/weight_transfer.py)."""
+        self.engine.core.init_weight_transfer_engine(request)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.engine.core.start_weight_update(is_checkpoint_format)
+
+    def finish_weight_update(self, weight_version: Any = None) -> int:
+        """Apply the round received since start_weight_update; returns the weights set."""
+        return self.engine.core.finish_weight_update(weight_version)
 
     def load_weights(self, path: str, weight_version: Any = None) -> int:
         """Reload every weight from an HF folder, GGUF or Hub id of the same architecture."""

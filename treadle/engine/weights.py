@@ -38,12 +38,15 @@ class ServedWeights:
     def updated(self, named_tensors: Iterable[tuple[str, torch.Tensor]], label: Any
                 ) -> ServedWeights:
         """After update_weights with these tensors."""
-        digest = hashlib.sha256(b"update")
+        digest = update_digest()
         for name, tensor in named_tensors:
-            t = tensor.detach().contiguous()
-            digest.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
-            digest.update(t.reshape(-1).view(torch.uint8).cpu().numpy())
-        return dataclasses.replace(self, identity=self._chain(digest.hexdigest()),
+            add_to_digest(digest, name, tensor)
+        return self.transferred(digest.hexdigest(), label)
+
+    def transferred(self, digest: str, label: Any) -> ServedWeights:
+        """After a change in place whose tensors hash to `digest` (update_digest): the same
+        tensors from a trainer's broadcast give the same identity as update_weights."""
+        return dataclasses.replace(self, identity=self._chain(digest),
                                    label=self._next_label(label), kept=False)
 
     def loaded(self, path: str, label: Any) -> ServedWeights:
@@ -69,6 +72,17 @@ class ServedWeights:
         if label is not None:
             return label
         return self.label + 1 if isinstance(self.label, int) else None
+
+
+def update_digest() -> Any:
+    """A fresh digest for the tensors of one change in place (add_to_digest)."""
+    return hashlib.sha256(b"update")
+
+
+def add_to_digest(digest: Any, name: str, tensor: torch.Tensor) -> None:
+    t = tensor.detach().contiguous()
+    digest.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
+    digest.update(t.reshape(-1).view(torch.uint8).cpu().numpy())
 
 
 def files_stamp(path: str) -> str:

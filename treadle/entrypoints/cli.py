@@ -224,18 +224,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    from treadle.bench import (floor, kv_transfer, latency, parallel, serve as bench_serve,
-                               spec_decode, structured, throughput)
+    from treadle.bench import (floor, kv_tiers, kv_transfer, latency, parallel,
+                               serve as bench_serve, spec_decode, structured, throughput,
+                               weight_transfer)
     for name, module, text, takes_engine_args in (
             ("throughput", throughput, "offline throughput on a synthetic workload", True),
             ("latency", latency, "end-to-end latency of one batch", True),
             ("floor", floor, "batch-1 decode TPOT against the memory-bandwidth floor", True),
             ("spec", spec_decode, "n-gram speculative decoding against plain decoding", True),
             ("kv", kv_transfer, "TTFT of a long prefix loaded from a KV store vs recomputed", True),
+            ("kv-tiers", kv_tiers, "multi-turn chats past the device cache: no KV tier, host "
+             "memory, Redis, both", True),
             ("parallel", parallel, "mp executor step overhead; pipeline stages on long prefills",
              True),
             ("structured", structured, "the cost of a JSON-schema constraint per step, and "
              "of compiling one", True),
+            ("weight-transfer", weight_transfer, "a full weight transfer from a trainer process "
+             "over gloo, against an in-process update_weights", True),
             ("serve", bench_serve, "drive a running server over HTTP (TTFT, TPOT, ITL)", False)):
         p = bench_sub.add_parser(name, help=text, description=module.__doc__)
         module.add_cli_args(p)

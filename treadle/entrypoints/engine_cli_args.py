@@ -21,18 +21,19 @@ _ENGINE_HELP = {
     "block_size": "tokens per KV-cache block (default: 128 on CPU, as vLLM-CPU; 16 on GPU)",
     "num_kv_blocks": "number of KV-cache blocks (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "KV-cache budget in bytes (default on CPU: what max_num_seqs "
-                             "sequences of max_model_len tokens use, at most 2 GiB and a quarter "
+                             "sequences of max_model_len tokens use, at most 1 GiB and a quarter "
                              "of the available memory)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "scheduling_policy": "fcfs | priority",
     "seed": "engine seed for requests that bring none",
     "device": "cpu | cuda (default: cuda when available)",
-    "attention_backend": "cpu (the C++ kernels) | torch (default: the fastest for the device)",
+    "attention_backend": "cpu (the C++ kernels) | torch | triton (CUDA, or TRITON_INTERPRET=1) "
+                         "(default: the fastest for the device)",
     "pipeline_parallel_size": "pipeline stages (worker processes split the layers)",
     "tensor_parallel_size": "tensor-parallel ranks per stage (they split the heads)",
-    "distributed_executor_backend": "uni | mp (default: uni with one worker, else mp)",
-    "master_port": "torch.distributed rendezvous port for mp workers (default: a free one)",
+    "distributed_executor_backend": "uni | mp | ray (default: uni with one worker, else mp)",
+    "master_port": "torch.distributed rendezvous port for mp and ray workers (default: a free one)",
     "max_worker_restarts": "times a failed worker group is replaced, its requests resumed",
 }
 
@@ -64,6 +65,12 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                        help='a KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", '
                             '"kv_role": "kv_both", "kv_connector_extra_config": '
                             '{"shared_storage_path": "/tmp/kv"}}\'')
+    group.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                       help="a tier of KV blocks in host memory of this size (an "
+                            "OffloadingConnector; not with --kv-transfer-config)")
+    group.add_argument("--weight-transfer-config", default=None, metavar="JSON",
+                       help='weights streamed from a trainer process: \'{"backend": "gloo"}\' '
+                            '(CPU) or "nccl" (CUDA), and optionally "timeout_s"')
     group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                        help='the grammar engine for structured outputs: \'{"backend": '
                             '"xgrammar"}\' (default) or "guidance"')

@@ -15,6 +15,7 @@ from typing import Any, Callable, NoReturn, Protocol
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.errors import EngineDeadError
+from treadle.kv_transfer.aggregate import KVOutputAggregator
 from treadle.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,8 @@ class Executor(ABC):
       - `num_blocks`: the KV blocks every worker allocated, the least any rank could hold, so
         that all ranks hold the same count. Fixed at start-up.
       - `execute_model(scheduler_output, non_block)`: one step on every rank; its output (one
-        rank's, the last pipeline stage's) or, with non_block, a PendingOutput. Steps run in
-        the order sent.
+        rank's, the last pipeline stage's, with every rank's KV connector report united into
+        it by `kv_outputs`) or, with non_block, a PendingOutput. Steps run in the order sent.
       - `collective_rpc(method, args, kwargs)`: run a Worker method (by name) or a callable
         taking the worker (module-level, where the worker is in another process) on every
         rank; the results in rank order. An error raised by the call is the caller's (bad
@@ -59,6 +60,10 @@ class Executor(ABC):
     def __init__(self, config: TreadleConfig) -> None:
         """Start the workers, ask each for its KV block count, and give every one the least."""
         self.world_size = config.parallel.world_size
+        # With a KV connector on several ranks, every rank's step output is read: each reports
+        # the loads of its own part of the blocks (kv_transfer/aggregate.py).
+        self.kv_outputs = (KVOutputAggregator(self.world_size)
+                           if config.kv_transfer is not None and self.world_size > 1 else None)
         self._dead: str | None = None
         self._closed = False
         try:

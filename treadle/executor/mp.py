@@ -42,11 +42,16 @@ DEATH_GRACE_S = 1.0
 class PendingStep:
     """A step sent to the workers; result() waits for it."""
 
-    def __init__(self, executor: "MultiprocExecutor", call_id: int) -> None:
-        self._executor, self._call_id = executor, call_id
+    def __init__(self, executor: "MultiprocExecutor", call_id: int,
+                 scheduler_output: SchedulerOutput) -> None:
+        self._executor, self._call_id, self._so = executor, call_id, scheduler_output
 
     def result(self) -> ModelRunnerOutput:
-        return self._executor._wait(self._call_id, [self._executor.output_rank])[0]
+        ex = self._executor
+        if ex.kv_outputs is None:
+            return ex._wait(self._call_id, [ex.output_rank])[0]
+        return ex.kv_outputs.aggregate(self._so, ex._wait(self._call_id, range(ex.world_size)),
+                                       ex.output_rank)
 
 
 class MultiprocExecutor(Executor):
@@ -96,9 +101,9 @@ class MultiprocExecutor(Executor):
     # -- calls -------------------------------------------------------------------------
     def _execute_model(self, scheduler_output: SchedulerOutput,
                        non_block: bool) -> ModelRunnerOutput | PendingStep:
-        call_id = self._send("execute_model", (scheduler_output,), {},
-                             reply_from={self.output_rank})
-        pending = PendingStep(self, call_id)
+        reply_from = set(range(self.world_size)) if self.kv_outputs else {self.output_rank}
+        call_id = self._send("execute_model", (scheduler_output,), {}, reply_from=reply_from)
+        pending = PendingStep(self, call_id, scheduler_output)
         return pending if non_block else pending.result()
 
     def _warm_grammar(self, params: StructuredOutputsParams) -> None:

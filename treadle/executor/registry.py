@@ -6,4 +6,5 @@ from __future__ import annotations
 EXECUTORS: dict[str, str] = {
     "uni": "treadle.executor.uniproc:UniProcExecutor",
     "mp": "treadle.executor.mp:MultiprocExecutor",
+    "ray": "treadle.executor.ray:RayExecutor",
 }

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from treadle.config import TreadleConfig
+    from treadle.config import KVTransferConfig, TreadleConfig
     from treadle.core.scheduler_output import SchedulerOutput
+    from treadle.core.stats import KVTierStats
     from treadle.request import Request
 
 
@@ -44,9 +45,12 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)    # requests whose saves are done
     finished_recving: set[str] = field(default_factory=set)    # requests whose loads are done
     invalid_block_ids: set[int] = field(default_factory=set)   # blocks whose load failed
+    # Per connector (its class name): (block saves dropped, their bytes) since the last report.
+    dropped_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.dropped_saves)
 
 
 class KVConnectorBase:
@@ -54,6 +58,11 @@ class KVConnectorBase:
 
     # Keys that `kv_connector_extra_config` must hold; checked before any model loads.
     required_extra_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def check_config(cls, transfer: KVTransferConfig) -> None:
+        """Refuse a bad `kv_connector_extra_config` (a ValueError naming the field), before
+        any model loads; required_extra_keys are checked already."""
 
     def __init__(self, config: TreadleConfig, role: KVConnectorRole) -> None:
         self.config = config
@@ -99,7 +108,14 @@ class KVConnectorBase:
         kv_transfer_params to hand back to the client)."""
         return False, None
 
+    def get_stats(self) -> list[KVTierStats]:
+        """Counters of the stores behind this connector, for `LLM.get_stats()` and /metrics."""
+        return []
+
     # -- worker side ---------------------------------------------------------------------
+    def bind_rank(self, rank: int, pp_rank: int, tp_rank: int) -> None:
+        """The worker rank this connector moves KV for: its stage's layers, its KV heads."""
+
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """The paged cache, one tensor per layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
 
@@ -129,13 +145,26 @@ class KVConnectorBase:
         """Blocks whose load failed since the last call."""
         return set()
 
+    def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
+        """Per connector: (block saves dropped, their bytes) since the last call."""
+        return {}
+
+    def failed_load_requests(self) -> set[str]:
+        """Requests whose load failed and whose saves are held back until they are reset."""
+        return set()
+
+    def hold_back_saves(self, req_ids: set[str]) -> None:
+        """Save nothing more of these requests until they are reset: a load failed for them
+        elsewhere (another connector of a MultiConnector)."""
+
 
 class LoadFaultInjector:
     """Fails block loads on purpose, so users can rehearse failures and tests can cause them.
 
     From `kv_connector_extra_config`: `inject_load_failure_rate` (fraction of block loads that
-    fail), `inject_seed`, and `inject_failed_block_indices` (block positions within a request,
-    counted from its first block, whose loads always fail).
+    fail), `inject_seed`, `inject_failed_block_indices` (block positions within a request,
+    counted from its first block, whose loads always fail), and `inject_failure_ranks` (the
+    worker ranks that inject; default all).
     """
 
     def __init__(self, extra: dict[str, Any]) -> None:
@@ -145,9 +174,17 @@ class LoadFaultInjector:
                              f"[0, 1], got {self.rate}")
         self.indices = {int(i) for i in extra.get("inject_failed_block_indices", ())}
         self._rng = random.Random(extra.get("inject_seed", 0))
+        ranks = extra.get("inject_failure_ranks")
+        self.ranks = None if ranks is None else {int(r) for r in ranks}
+        self.active = True
         self.num_injected = 0
 
+    def bind_rank(self, rank: int) -> None:
+        self.active = self.ranks is None or rank in self.ranks
+
     def should_fail(self, block_index: int) -> bool:
+        if not self.active:
+            return False
         fail = block_index in self.indices or (self.rate > 0 and self._rng.random() < self.rate)
         self.num_injected += fail
         return fail

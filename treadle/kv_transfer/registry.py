@@ -7,6 +7,9 @@ from treadle.registry import lookup
 
 _REGISTRY: dict[str, str] = {
     "SharedStorageConnector": "treadle.kv_transfer.shared_storage:SharedStorageConnector",
+    "OffloadingConnector": "treadle.kv_transfer.offloading:OffloadingConnector",
+    "MultiConnector": "treadle.kv_transfer.multi:MultiConnector",
+    "RedisConnector": "treadle.kv_transfer.redis:RedisConnector",
 }
 
 

@@ -21,10 +21,18 @@ from treadle.models.linear import Linear
 
 def build(model: torch.nn.Module) -> torch.ScriptObject | None:
     """A stack over `model`'s layers on this stage, or None where it cannot serve: without
-    the CPU kernels, or with tensor parallelism (its row-parallel layers all-reduce)."""
-    if not model.native_head or model.ctx.tp_size > 1:
+    the CPU kernels, with tensor parallelism (its row-parallel layers all-reduce), with
+    mixture-of-experts layers (it knows only a dense MLP), with RoPE on part of each head, with
+    soft-capped attention, or for a model whose layers are not Llama's (`stackable`: Gemma)."""
+    if not model.native_head or model.ctx.tp_size > 1 or not getattr(model, "stackable", True):
         return None
     layers = [model.model.layers[i] for i in model.model.layer_range]
+    if not all(hasattr(layer.mlp, "gate_up_proj") for layer in layers):
+        return None
+    if any(layer.self_attn.attn.logit_softcap is not None for layer in layers):
+        return None
+    if model.model.rotary.dim != layers[0].self_attn.head_dim:   # RoPE on part of each head
+        return None
     attn = layers[0].self_attn
     tiles = attn.qkv_proj.tiles   # a stage's linears all have tiles of one kind, or none
     first, last = linear.tile_rows(tiles) if tiles is not None else (1, 0)
@@ -36,6 +44,8 @@ def build(model: torch.nn.Module) -> torch.ScriptObject | None:
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         a.q_norm.weight if a.q_norm is not None else None,
                         a.k_norm.weight if a.k_norm is not None else None)
+        if a.attn.sliding_window is not None:
+            stack.set_window(a.attn.sliding_window)
         for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             _add_linear(stack, lin)
     return stack

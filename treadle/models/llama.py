@@ -1,6 +1,8 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3) over a flat batch of tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a flat batch of tokens and a paged
+KV cache.
 
-Qwen2 is Llama with biases on q/k/v; Qwen3 is Llama with an RMSNorm on each q and k head.
+Qwen2 is Llama with biases on q/k/v; Qwen3 is Llama with an RMSNorm on each q and k head;
+Mistral (and Qwen2 with use_sliding_window) has layers that attend within a sliding window.
 Numerics follow transformers' implementation op for op (RMSNorm in fp32, RoPE tables in fp32,
 rotate-half), so greedy output in fp32 matches it token for token.
 """
@@ -8,12 +10,14 @@ rotate-half), so greedy output in fp32 matches it token for token.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+import re
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from treadle.attention.backend import AttentionMetadata, PagedAttention
+from treadle.config import sliding_window as config_window
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.kernels import hugepages
 from treadle.models import gguf_weights, layer_stack, linear
@@ -22,6 +26,9 @@ from treadle.models.parallel import MissingLayer, WeightSharder, embedding, row_
 from treadle.models.rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
+
+# A transformers name of one part of a fused weight: (owner module, part, weight or bias).
+_FUSED_PART = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +59,7 @@ class Attention(nn.Module):
     native = False   # RoPE in place by the fused C++ op
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 ctx: ParallelContext) -> None:
+                 ctx: ParallelContext, sliding_window: int | None = None) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -67,13 +74,15 @@ class Attention(nn.Module):
         self.o_proj = row_linear(self.q_size, config.hidden_size, o_bias, ctx)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                   sliding_window)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        rope = self._rope_in_place if self.native else apply_rope
+        # The fused op rotates whole heads: a partly rotary head takes the Python path.
+        rope = self._rope_in_place if self.native and cos.shape[-1] == self.head_dim else apply_rope
         if self.q_norm is None:
             # q and k sit side by side in the fused output: one RoPE pass over both heads.
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -94,12 +103,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     native = False   # SiLU-and-mul by the fused C++ op
 
-    def __init__(self, config, ctx: ParallelContext) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ctx: ParallelContext,
+                 reduce: bool = True) -> None:
+        """`intermediate_size` is the whole model's: a rank holds its share. With reduce=False
+        the down projection's partial sums are left for the caller to all-reduce (experts of a
+        mixture-of-experts block, summed before one all-reduce)."""
         super().__init__()
-        self.intermediate = config.intermediate_size // ctx.tp_size
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = row_linear(self.intermediate, config.hidden_size, bias, ctx)
+        self.intermediate = intermediate_size // ctx.tp_size
+        self.gate_up_proj = Linear(hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = (row_linear(self.intermediate, hidden_size, bias, ctx) if reduce
+                          else Linear(self.intermediate, hidden_size, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -108,14 +121,27 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
+def dense_mlp(config, index: int, ctx: ParallelContext) -> nn.Module:
+    """A Llama layer's feed-forward block (every layer has the same)."""
+    return MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), ctx)
+
+
+def layer_window(config, index: int) -> int | None:
+    """Layer `index`'s sliding window, or None where it attends to every earlier token."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[index] != "sliding_attention":
+        return None
+    return config_window(config)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 ctx: ParallelContext) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp: nn.Module,
+                 ctx: ParallelContext, sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, ctx)
+        self.self_attn = Attention(config, qkv_bias, o_bias, qk_norm, ctx, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, ctx)
+        self.mlp = mlp
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """(x, residual) -> (this layer's output, the residual stream before it is added):
@@ -134,14 +160,16 @@ class DecoderModel(nn.Module):
     """A pipeline stage holds only its layers; the first stage embeds, the last normalises."""
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int,
+                 make_mlp: Callable[[object, int, ParallelContext], nn.Module],
                  ctx: ParallelContext) -> None:
         super().__init__()
         self.layer_range = ctx.layer_range(config.num_hidden_layers)
         self.embed_tokens = (embedding(config.vocab_size, config.hidden_size, ctx)
                              if ctx.is_first_stage else None)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, o_bias, qk_norm, ctx) if i in self.layer_range
-            else MissingLayer() for i in range(config.num_hidden_layers))
+            DecoderLayer(config, qkv_bias, o_bias, qk_norm, make_mlp(config, i, ctx), ctx,
+                         layer_window(config, i))
+            if i in self.layer_range else MissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if ctx.is_last_stage else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
@@ -151,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names mirror transformers' (`model.layers.N...`), except the fused projections."""
 
     qk_norm = False
+    make_mlp = staticmethod(dense_mlp)   # (config, layer index, ctx) -> the layer's feed-forward
     is_packed = False    # pack_weights has run (a no-op off CPU): weight loads re-pack
     # "int8" or "gguf" (the file's blocks, from gguf_file): weight-only copies for a few rows,
     # set before pack_weights
@@ -167,8 +196,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ctx = ctx = ctx or ParallelContext()
-        qkv_bias, o_bias = self.biases(config)
-        self.model = DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, ctx)
+        self.model = self.build_model(config, max_positions, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._packed_head: torch.Tensor | None = None
         self._tiles_head: torch.Tensor | None = None   # the head for the tile kernel, once native
@@ -188,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size // ctx.tp_size, bias=False)
         self.sharder = WeightSharder(config, ctx, self.model.rotary.head_dim, tied_head_here)
+
+    def build_model(self, config, max_positions: int, ctx: ParallelContext) -> nn.Module:
+        """This stage's decoder: the checkpoint's `model.*`."""
+        qkv_bias, o_bias = self.biases(config)
+        return DecoderModel(config, qkv_bias, o_bias, self.qk_norm, max_positions, self.make_mlp, ctx)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
@@ -317,19 +350,37 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------------
     def _fused_target(self, name: str) -> tuple[str, int, int] | None:
-        """Map a transformers q/k/v or gate/up name to (fused param name, row offset, rows)."""
-        first = self.model.layers[self.model.layer_range.start]
-        attn, mlp = first.self_attn, first.mlp
-        parts = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, attn.q_size),
-            "self_attn.k_proj": ("self_attn.qkv_proj", attn.q_size, attn.kv_size),
-            "self_attn.v_proj": ("self_attn.qkv_proj", attn.q_size + attn.kv_size, attn.kv_size),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, mlp.intermediate),
-            "mlp.up_proj": ("mlp.gate_up_proj", mlp.intermediate, mlp.intermediate),
-        }
-        for src, (dst, offset, rows) in parts.items():
-            if f".{src}." in name:
-                return name.replace(src, dst), offset, rows
+        """Map a transformers q/k/v or gate/up name to (fused param name, row offset, rows), by
+        the module that holds the fused weight (a layer's attention, its MLP, or an expert);
+        None for any other name, or where no such module is here (another stage's layer)."""
+        match = _FUSED_PART.match(name)
+        if match is None:
+            return None
+        owner_path, part, kind = match.groups()
+        try:
+            owner = self.get_submodule(owner_path)
+        except AttributeError:
+            return None
+        if part in ("q_proj", "k_proj", "v_proj"):
+            if not isinstance(owner, Attention):
+                return None
+            offset, rows = {"q_proj": (0, owner.q_size), "k_proj": (owner.q_size, owner.kv_size),
+                            "v_proj": (owner.q_size + owner.kv_size, owner.kv_size)}[part]
+            return f"{owner_path}.qkv_proj.{kind}", offset, rows
+        if not isinstance(owner, MLP):
+            return None
+        offset = 0 if part == "gate_proj" else owner.intermediate
+        return f"{owner_path}.gate_up_proj.{kind}", offset, owner.intermediate
+
+    def _fused_offsets(self, name: str) -> list[int] | None:
+        """The row offsets of the parts a fused parameter is loaded from, or None if unfused."""
+        owner_path, _, leaf = name.rpartition(".")
+        owner_path, _, param = owner_path.rpartition(".")
+        if param == "qkv_proj":
+            attn = self.get_submodule(owner_path)
+            return [0, attn.q_size, attn.q_size + attn.kv_size]
+        if param == "gate_up_proj":
+            return [0, self.get_submodule(owner_path).intermediate]
         return None
 
     @torch.no_grad()
@@ -355,6 +406,12 @@ class LlamaForCausalLM(nn.Module):
         with several ranks, every one checks before any one loads."""
         self._plan(((n, torch.empty(s, device="meta")) for n, s in named_shapes), strict)
 
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights under the names a checkpoint of this family gives each part (a model
+        whose weights also arrive fused or stacked splits them here)."""
+        return weights
+
     def _plan(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool
               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[str]]:
         """(parameter slice, tensor) copies for `weights`, and the names they consume."""
@@ -362,7 +419,7 @@ class LlamaForCausalLM(nn.Module):
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         loaded: set[str] = set()
         covered: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_weights(weights):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             if "rotary_emb.inv_freq" in name:
@@ -400,17 +457,12 @@ class LlamaForCausalLM(nn.Module):
     def _check_complete(self, covered: set[str]) -> None:
         missing = []
         for name, param in self.named_parameters():
-            first = self.model.layers[self.model.layer_range.start]
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                attn = first.self_attn
-                need = [0, attn.q_size, attn.q_size + attn.kv_size]
-            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
-                need = [0, first.mlp.intermediate]
-            else:
+            offsets = self._fused_offsets(name)
+            if offsets is None:
                 if name not in covered:
                     missing.append(name)
                 continue
-            missing += [f"{name}@{o}" for o in need if f"{name}@{o}" not in covered]
+            missing += [f"{name}@{o}" for o in offsets if f"{name}@{o}" not in covered]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
@@ -423,3 +475,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's layers, each attending within the config's sliding window where it has one."""

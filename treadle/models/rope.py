@@ -1,5 +1,13 @@
 """Rotary position embeddings as transformers computes them: the inverse frequencies of the
-default, linear and llama3 schemes, fp32 cos/sin tables by position, and rotate-half."""
+default, linear, llama3 and longrope schemes, fp32 cos/sin tables by position, rotate-half, and
+a rotary part of each head smaller than the head (`partial_rotary_factor`, Phi-4-mini).
+
+LongRoPE (Phi-3) scales the frequencies by one factor list (short) while a sequence fits the
+model's original context, and by another (long) once it is longer, and cos/sin by one attention
+factor throughout. transformers recomputes a sequence's whole cache with the long factors when
+it first grows past that context. Until the engine can recompute a request that way, config.py
+caps max_model_len at the original context, so only the short factors are used here.
+"""
 
 from __future__ import annotations
 
@@ -21,11 +29,23 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+def rotary_dim(config, head_dim: int) -> int:
+    """How many of a head's features RoPE rotates (the first ones)."""
+    factor = rope_parameters(config).get("partial_rotary_factor",
+                                         getattr(config, "partial_rotary_factor", 1.0))
+    return int(head_dim * factor)
+
+
+def rope_inv_freq(config, dim: int) -> torch.Tensor:
+    """The inverse frequencies over `dim` rotary features."""
     params = rope_parameters(config)
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = params["rope_type"]
+    if rope_type == "longrope":
+        factors = torch.tensor(params["short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * base ** exponents)
+    inv_freq = 1.0 / (base ** exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -41,24 +61,50 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_type {rope_type!r} "
+                     "(supported: default, linear, llama3, longrope)")
+
+
+def longrope_original_len(config) -> int | None:
+    """The original context of a LongRoPE model, past which it takes its long factors; None
+    for every other scheme."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        return None
+    return int(params.get("original_max_position_embeddings")
+               or getattr(config, "original_max_position_embeddings", None)
+               or config.max_position_embeddings)
+
+
+def _attention_factor(config) -> float:
+    """longrope's scale of cos and sin (1 for every other scheme)."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = longrope_original_len(config)
+    factor = params.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.config, self.head_dim = config, head_dim
-        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.dim = rotary_dim(config, head_dim)
+        self.register_buffer("cos", torch.empty(max_positions, self.dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, self.dim), persistent=False)
         self.compute_tables()
 
     def compute_tables(self) -> None:
         """Fill the fp32 cos/sin tables; again after the model was built on the meta device."""
         device = self.cos.device
-        inv_freq = rope_inv_freq(self.config, self.head_dim).to(device)
         positions = torch.arange(self.cos.shape[0], dtype=torch.float32, device=device)
+        inv_freq = rope_inv_freq(self.config, self.dim).to(device)
         emb = torch.cat((positions[:, None] * inv_freq[None, :],) * 2, dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        scale = _attention_factor(self.config)
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, D]: broadcast over heads.
@@ -66,6 +112,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] features of each head; the rest pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        dim = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

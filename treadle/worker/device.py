@@ -8,7 +8,7 @@ import torch
 
 from treadle.kernels import hugepages
 from treadle.kernels.cpu import cpu_kernels_available
-from treadle.worker.malloc import keep_freed_memory
+from treadle.worker.malloc import keep_freed_memory, return_freed_memory
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -38,7 +38,8 @@ class WorkerDevice:
         model.to(self.device)
 
     def release_cached_memory(self) -> None:
-        """Give memory freed by sleep back to the device (and so to other processes)."""
+        """Give memory freed by start-up or sleep back to the device (and so to other
+        processes)."""
 
 
 class CpuDevice(WorkerDevice):
@@ -73,6 +74,9 @@ class CpuDevice(WorkerDevice):
 
     def reload(self, model: torch.nn.Module) -> None:
         """Nothing to do: the weights never left."""
+
+    def release_cached_memory(self) -> None:
+        return_freed_memory()
 
 
 class CudaDevice(WorkerDevice):

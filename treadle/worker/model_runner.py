@@ -56,6 +56,8 @@ class ModelRunner:
         self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                        spec.num_speculative_tokens) if spec is not None else None)
         self.connector = create_connector(config, KVConnectorRole.WORKER)
+        if self.connector is not None:   # it moves this rank's layers and KV heads
+            self.connector.bind_rank(ctx.rank, ctx.pp_rank, ctx.tp_rank)
 
     # -- set-up ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -99,6 +101,7 @@ class ModelRunner:
         start = time.perf_counter()
         self._allocate_kv_cache()
         logger.info("allocated %d KV blocks in %.1fs", num_blocks, time.perf_counter() - start)
+        self.on_device.release_cached_memory()   # what loading and packing freed
         max_blocks_per_req = -(-cfg.max_model_len // self.block_size)
         self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
                                   max_blocks_per_req)
@@ -151,7 +154,8 @@ class ModelRunner:
         connector.wait_for_save()
         connector.clear_connector_metadata()
         out.kv_connector_output = KVConnectorOutput(
-            finished_sending, finished_recving, connector.get_block_ids_with_load_errors())
+            finished_sending, finished_recving, connector.get_block_ids_with_load_errors(),
+            connector.get_dropped_saves())
         return out
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

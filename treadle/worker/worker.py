@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -12,6 +12,7 @@ from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.structured_output.params import StructuredOutputsParams
 from treadle.worker.model_runner import ModelRunner
+from treadle.worker.weight_transfer import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ class Worker:
         self.ctx = ctx or ParallelContext()
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.ctx)
+        self.weight_receiver = WeightReceiver(config.weight_transfer, self.runner, self.ctx)
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -59,6 +61,28 @@ class Worker:
 
     def check_weights(self, source: list[tuple[str, tuple[int, ...]]] | str) -> None:
         self.runner.check_weights(source)
+
+    # Weights from a trainer process: the engine drives these (engine/weight_transfer.py).
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.weight_receiver.init(init_info)
+
+    def start_weight_update(self) -> None:
+        self.weight_receiver.start()
+
+    def check_weight_update(self, update_info: dict[str, Any]) -> None:
+        self.weight_receiver.check(update_info)
+
+    def receive_weights(self, update_info: dict[str, Any]) -> int:
+        return self.weight_receiver.receive(update_info)
+
+    def check_staged_weights(self) -> None:
+        self.weight_receiver.check_staged()
+
+    def finish_weight_update(self) -> tuple[int, str | None]:
+        return self.weight_receiver.finish()
+
+    def abort_weight_update(self, close_group: bool) -> None:
+        self.weight_receiver.abort(close_group)
 
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)

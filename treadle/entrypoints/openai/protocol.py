@@ -302,6 +302,8 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None   # the KV connector's, for P/D
+    # The engine's weights when these tokens were made (an RL loop tells rollouts apart by it).
+    weight_version: Any = None
 
 
 class ChatLogProb(BaseModel):
@@ -363,6 +365,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None   # the KV connector's, for P/D
+    weight_version: Any = None   # the engine's weights when the last token was made
     prompt_token_ids: list[int] | None = None   # with return_token_ids
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None   # with prompt_logprobs
 
@@ -390,3 +393,4 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None   # with return_token_ids: in the first chunk
+    weight_version: Any = None   # the engine's weights when this chunk's tokens were made

@@ -42,6 +42,7 @@ from treadle.entrypoints.openai.serving_chat import ChatServing, encode_messages
 from treadle.entrypoints.openai.tool_parsers import get_tool_parser
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.serving_completion import CompletionServing
+from treadle.entrypoints.openai.weight_transfer_routes import add_weight_transfer_routes
 from treadle.models.loader import prepare_model
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
         await _control(engine.wake_up(tags))
         return {"status": "awake"}
 
+    add_weight_transfer_routes(app, engine)
     return app
 
 

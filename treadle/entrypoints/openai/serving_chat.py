@@ -140,6 +140,7 @@ class _Renderer:
                                       model=self.serving.model_name, choices=choices,
                                       usage=usage(finals),
                                       kv_transfer_params=out.kv_transfer_params,
+                                      weight_version=out.weight_version,
                                       prompt_token_ids=self._token_ids(out.prompt_token_ids),
                                       prompt_logprobs=prompt_logprobs(
                                           out, self.serving.tokenizer.decode))
@@ -187,7 +188,11 @@ class _Renderer:
                 logprobs=self._logprobs(delta.token_ids, delta.logprobs),
                 finish_reason=_finish_reason(delta.finish_reason, calls.num_streamed > 0),
                 stop_reason=delta.stop_reason, token_ids=self._token_ids(token_ids)))
-        return self._chunk(choices) if choices else None
+        if not choices:
+            return None
+        chunk = self._chunk(choices)
+        chunk.weight_version = out.weight_version
+        return chunk
 
     def _token_ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.req.return_token_ids else None

@@ -104,7 +104,8 @@ class _Renderer:
         body = CompletionResponse(id=self.id, created=self.created, model=self.serving.model_name,
                                   choices=choices,
                                   usage=usage(finals, count_completion=not self.prompt_only),
-                                  kv_transfer_params=finals[0].kv_transfer_params)
+                                  kv_transfer_params=finals[0].kv_transfer_params,
+                                  weight_version=finals[-1].weight_version)
         return Response(body.model_dump_json(), media_type="application/json")
 
     # -- streamed ----------------------------------------------------------------------------
@@ -136,7 +137,8 @@ class _Renderer:
             if not choices:
                 return None
             return CompletionResponse(id=self.id, created=self.created,
-                                      model=self.serving.model_name, choices=choices)
+                                      model=self.serving.model_name, choices=choices,
+                                      weight_version=out.weight_version)
 
         for i, out in enumerate(firsts):
             if (c := chunk(i, out)) is not None:

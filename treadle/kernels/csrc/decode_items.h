@@ -28,6 +28,12 @@ inline int64_t num_parts(int64_t len, int64_t part_tokens) {
   return std::max<int64_t>(1, (len + part_tokens - 1) / part_tokens);
 }
 
+// A sequence of `len` tokens attends to its last `window` (0: to all of them): the decode
+// query sits at len - 1, and keys at len - 1 - window and before are out of its window.
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
 struct WorkItem {
   int64_t seq, kv0, kv_heads;  // a sequence and a run of its KV heads
   int64_t t0, t1;              // its tokens
@@ -37,26 +43,28 @@ struct WorkItem {
 // The results of split sequences' parts, per part row and query head: the output normalized
 // within the part (head_dim floats), the part's largest scaled score, and its sum of exp.
 struct Parts {
-  int64_t num_heads = 0, head_dim = 0, part_tokens = 0;
+  int64_t num_heads = 0, head_dim = 0, part_tokens = 0, window = 0;
   std::vector<int64_t> first;   // per sequence: its first part row, or -1 when it is whole
   std::vector<float> out, max, sum;
 
   float* out_of(int64_t row, int64_t h) { return out.data() + (row * num_heads + h) * head_dim; }
 };
 
-// The step's work items, and `parts` sized for them. An item holds all of a sequence's KV heads
+// The step's work items, and `parts` sized for them; each sequence's tokens from
+// window_start on. An item holds all of a sequence's KV heads
 // (up to `most`), so that each block is read as one contiguous run the hardware prefetcher
 // streams, unless there are too few items for the threads to go round: then one KV head each.
 inline std::vector<WorkItem> plan_items(const int32_t* lens, int64_t num_seqs, int64_t num_heads,
                                         int64_t num_kv_heads, int64_t head_dim, int64_t most, int64_t part_tokens,
-                                        Parts& parts) {
+                                        Parts& parts, int64_t window = 0) {
   parts.part_tokens = part_tokens;
   parts.num_heads = num_heads;
   parts.head_dim = head_dim;
+  parts.window = window;
   parts.first.assign(num_seqs, -1);
   int64_t rows = 0, spans = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n = num_parts(lens[s], part_tokens);
+    const int64_t n = num_parts(lens[s] - window_start(lens[s], window), part_tokens);
     if (n > 1) {
       parts.first[s] = rows;
       rows += n;
@@ -69,11 +77,11 @@ inline std::vector<WorkItem> plan_items(const int32_t* lens, int64_t num_seqs, i
   const int64_t per_item = spans >= 2 * at::get_num_threads() ? std::min(num_kv_heads, most) : 1;
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = lens[s], n = num_parts(len, part_tokens);
+    const int64_t len = lens[s], start = window_start(len, window), n = num_parts(len - start, part_tokens);
     for (int64_t p = 0; p < n; ++p)
       for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += per_item)
-        items.push_back({s, kv0, std::min(per_item, num_kv_heads - kv0), p * part_tokens,
-                         std::min(len, (p + 1) * part_tokens), n > 1 ? parts.first[s] + p : -1});
+        items.push_back({s, kv0, std::min(per_item, num_kv_heads - kv0), start + p * part_tokens,
+                         std::min(len, start + (p + 1) * part_tokens), n > 1 ? parts.first[s] + p : -1});
   }
   return items;
 }
@@ -176,7 +184,7 @@ void merge_parts(Parts& parts, const int32_t* lens, int64_t num_seqs, scalar_t* 
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / heads, h = i % heads, row0 = parts.first[s];
       if (row0 < 0) continue;
-      const int64_t n = num_parts(lens[s], parts.part_tokens);
+      const int64_t n = num_parts(lens[s] - window_start(lens[s], parts.window), parts.part_tokens);
       float top = parts.max[row0 * heads + h], total = 0.f;
       for (int64_t p = 1; p < n; ++p) top = std::max(top, parts.max[(row0 + p) * heads + h]);
       weight.resize(n);

@@ -83,6 +83,7 @@ struct StackLayer {
   at::Tensor input_norm, post_attention_norm;
   c10::optional<at::Tensor> q_norm, k_norm;   // Qwen3's per-head norms
   std::vector<StackLinear> linears;            // qkv, o, gate_up, down
+  int64_t window = 0;                          // its sliding window (Mistral); 0: none
 };
 
 class LayerStack : public torch::CustomClassHolder {
@@ -96,6 +97,12 @@ class LayerStack : public torch::CustomClassHolder {
                  c10::optional<at::Tensor> k_norm) {
     TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the previous layer lacks linears");
     layers_.push_back({input_norm, post_attention_norm, q_norm, k_norm, {}});
+  }
+
+  // The current layer attends within a sliding window of `window` tokens.
+  void set_window(int64_t window) {
+    TORCH_CHECK(!layers_.empty() && window > 0, "add_layer first; a window is positive");
+    layers_.back().window = window;
   }
 
   // The current layer's next linear: qkv, o, gate_up, down, in that order.
@@ -170,10 +177,11 @@ class LayerStack : public torch::CustomClassHolder {
       const at::Tensor k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
       if (decodes > 0)
         treadle::paged_decode_attention(attn.narrow(0, 0, decodes), q.narrow(0, 0, decodes), k_cache, v_cache,
-                                        *decode_block_table, *seq_lens, scale_);
+                                        *decode_block_table, *seq_lens, scale_, layer.window);
       if (prefill_rows > 0)
         treadle::paged_prefill_attention(attn.narrow(0, decodes, prefill_rows), q.narrow(0, decodes, prefill_rows),
-                                         k_cache, v_cache, *prefill_block_table, *query_start, *context_lens, scale_);
+                                         k_cache, v_cache, *prefill_block_table, *query_start, *context_lens, scale_,
+                                         layer.window);
       std::tie(residual, normed) =
           treadle::add_rms_norm(layer.linears[1](attn.view({t, q_size}), limits_), residual, layer.post_attention_norm, eps_);
       x = layer.linears[3](treadle::silu_and_mul(layer.linears[2](normed, limits_)), limits_);
@@ -194,6 +202,7 @@ TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.class_<LayerStack>("LayerStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t>())
       .def("add_layer", &LayerStack::add_layer)
+      .def("set_window", &LayerStack::set_window)
       .def("add_linear", &LayerStack::add_linear)
       .def("num_layers", &LayerStack::num_layers)
       .def("forward", &LayerStack::forward);

@@ -56,16 +56,18 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 void write_kv_(at::Tensor cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 
-// paged_decode.cpp: one query token per sequence against its paged K/V.
+// paged_decode.cpp: one query token per sequence against its paged K/V; within its last
+// `window` tokens where window > 0, with scores soft-capped where softcap > 0.
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale);
+                            const at::Tensor& seq_lens, double scale, int64_t window = 0, double softcap = 0);
 
 // paged_prefill.cpp: prefill chunks (causal, after any cached context), all of a step's in one
-// call; rows of q counted from the first chunk's first.
+// call; rows of q counted from the first chunk's first. window and softcap as for decode.
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table,
-                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale);
+                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
+                             int64_t window = 0, double softcap = 0);
 
 // paged_decode_amx.cpp: the same on AMX tiles in bf16, where the CPU has them and this process
 // may use them, head_dim is 64 or 128, a KV head has at most 16 query heads and a block holds

@@ -4,7 +4,9 @@
 //
 // Layout (as in torch_backend.py): k_cache/v_cache [num_blocks, block_size, num_kv_heads,
 // head_dim]; q/out [num_seqs, num_heads, head_dim] with the last dim contiguous; block_table
-// int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]. Accumulates in fp32.
+// int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]. Accumulates in fp32. A sliding
+// window (window > 0) reads only each sequence's last `window` tokens; softcap > 0 caps the
+// scores as Gemma 2 does.
 //
 // Three passes per work item: scores (q . k for every token), softmax, then the sum of p * v.
 // With AVX-512 and head_dim 64 or 128, the first pass scores 16 tokens at a time (a KV
@@ -45,6 +47,7 @@ struct Call {
   int64_t group, head_dim, max_blocks, block_size;
   int64_t q_seq, q_head, o_seq, o_head, c_block, c_tok, c_head;
   float scale;
+  float softcap;  // scores become softcap * tanh(score / softcap) before the softmax; 0: none
 };
 
 // A work item (decode_items.h): a sequence's tokens t0..t0 + len and a run of its KV heads,
@@ -82,11 +85,13 @@ struct Item {
   const scalar_t* query(int64_t h) const { return c.q + seq * c.q_seq + (kv0 * c.group + h) * c.q_head; }
 };
 
-// scores[h * len + t] = exp(s - max) in place; for each of `heads` heads, max and sum (for
-// merging parts) and 1 / sum.
-void softmax(float* scores, int64_t heads, int64_t len, float* max, float* sum_exp, float* inv_sum) {
+// scores[h * len + t] = exp(s - max) in place, s soft-capped first where softcap > 0 (Gemma 2);
+// for each of `heads` heads, max and sum (for merging parts) and 1 / sum.
+void softmax(float* scores, int64_t heads, int64_t len, float softcap, float* max, float* sum_exp, float* inv_sum) {
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * len;
+    if (softcap > 0.f)
+      for (int64_t t = 0; t < len; ++t) sh[t] = softcap * std::tanh(sh[t] / softcap);
     float m = sh[0];
     for (int64_t t = 1; t < len; ++t) m = std::max(m, sh[t]);
     float sum = 0.f;
@@ -119,7 +124,7 @@ void attend_plain(const Item<scalar_t>& it, const float* qf, float* scores, floa
       scores[h * len + t] = s;
     }
   }
-  softmax(scores, heads, len, max, sum, inv_sum);
+  softmax(scores, heads, len, c.softcap, max, sum, inv_sum);
   std::fill(acc, acc + heads * hd, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     it.ahead->step();
@@ -301,7 +306,7 @@ void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, flo
       _mm512_mask_storeu_ps(scores + h * len + t0, mask, kPairs<scalar_t> ? _mm512_mul_ps(sum, scale) : sum);
     }
   }
-  softmax(scores, heads, len, max, sum, inv_sum);
+  softmax(scores, heads, len, c.softcap, max, sum, inv_sum);
   for (int64_t g = 0; g < it.kv_heads; ++g) accumulate_v_tiles<scalar_t, D>(it, g, scores, inv_sum);
 }
 #endif
@@ -309,14 +314,15 @@ void attend_avx512(const Item<scalar_t>& it, const float* qf, float* scores, flo
 template <typename scalar_t>
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_table,
-                      const at::Tensor& seq_lens, double scale) {
+                      const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2);
   const Call<scalar_t> c{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                          out.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                          num_heads / num_kv_heads, head_dim, block_table.size(1), k_cache.size(1),
                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale)};
+                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale),
+                         static_cast<float>(softcap)};
   int vec_dims = 0;  // D of attend_avx512, or 0 for the plain loops (and for double)
 #ifdef __AVX512F__
   if ((head_dim == 64 || head_dim == 128) && !std::is_same_v<scalar_t, double>)
@@ -327,7 +333,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   treadle::decode::Parts parts;
   const std::vector<treadle::decode::WorkItem> items =
       treadle::decode::plan_items(c.lens, num_seqs, num_heads, num_kv_heads, head_dim, num_kv_heads,
-                                  treadle::decode::kPartTokensVec, parts);
+                                  treadle::decode::kPartTokensVec, parts, window);
   const int64_t max_heads = (items.empty() ? 0 : items[0].kv_heads) * c.group;  // query heads per item
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -380,7 +386,7 @@ namespace treadle {
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "head_dim must be contiguous");
@@ -394,9 +400,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   for (int64_t s = 0; s < q.size(0); ++s)
     TORCH_CHECK(lens[s] >= 0 && lens[s] <= block_table.size(1) * k_cache.size(1), "sequence ", s,
                 " does not fit its block table");
-  if (decode_tiles_ready(q, k_cache)) return decode_attention_tiles(out, q, k_cache, v_cache, block_table, seq_lens, scale);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: 0 (none) or positive");
+  // The tile kernel knows neither a window nor soft-capping: such layers take the vector kernel.
+  if (window == 0 && softcap == 0 && decode_tiles_ready(q, k_cache))
+    return decode_attention_tiles(out, q, k_cache, v_cache, block_table, seq_lens, scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
+    decode_attention<scalar_t>(out, q, k_cache, v_cache, block_table, seq_lens, scale, window, softcap);
   });
 }
 
@@ -404,7 +413,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_table, Tensor seq_lens, float scale, int window=0, float softcap=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(treadle, CPU, m) { m.impl("paged_decode_attention", &treadle::paged_decode_attention); }

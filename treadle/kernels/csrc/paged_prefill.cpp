@@ -9,7 +9,10 @@
 // int32 [spans, max_blocks]; query_start int32 [spans + 1] (span s owns rows
 // query_start[s]..query_start[s+1]); context_lens int32 [spans]. Query i of span s sits at
 // position context_lens[s] + i and sees keys 0..context_lens[s] + i (causal, bottom-right
-// aligned). Accumulates in fp32.
+// aligned). Accumulates in fp32. With a sliding window (window > 0) it sees only keys
+// position - window + 1..position: key tiles wholly before an item's window are skipped, and
+// the tiles that reach below some lane's window mask those keys. softcap > 0 caps the scores
+// (softcap * tanh(score / softcap), Gemma 2) before the mask.
 //
 // Flash style: a work item is a tile of query rows of one span, times the query heads of one
 // KV head. Its queries sit side by side in the vector lanes (transposed once per item), so
@@ -167,7 +170,8 @@ inline void pv_pairs(const float (*p)[kLanes], __m512 alpha, float* acc, int64_t
 template <typename scalar_t>
 void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& block_table,
-                       const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+                       const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
+                       int64_t window, double softcap) {
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -182,7 +186,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int32_t* tables = block_table.data_ptr<int32_t>();
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* ctx_lens = context_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
 
   const int64_t rows_per_item = std::max<int64_t>(1, kItemQueries / group);
   const std::vector<Item> items = treadle::prefill::make_items(starts, ctx_lens, num_spans, num_kv_heads, rows_per_item,
@@ -253,7 +257,10 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       auto row_of = [&](int64_t t) {        // token t's row of this KV head in the cache
         return table[t / block_size] * c_block + (t % block_size) * c_tok + it.kv_head * c_head;
       };
-      for (int64_t t0 = 0; t0 < end; t0 += kKeys) {
+      // The first row sees keys from ctx + row0 - window + 1 on; tiles start on multiples of
+      // kKeys, so that a whole fp32 tile still lies in one block.
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, ctx + it.row0 - window + 1) / kKeys * kKeys : 0;
+      for (int64_t t0 = first_key; t0 < end; t0 += kKeys) {
         // The tile's K and V rows, kv_stride floats apart. A whole fp32 tile inside one
         // block is read where it lies; any other is converted into kt/vt first.
         const float *kr0, *vr0;
@@ -331,6 +338,20 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 #pragma omp simd
                 for (int64_t i = 0; i < kLanes; ++i) s[j][i] = madd(kd, qd[i], s[j][i]);
               }
+            }
+            if (fcap > 0.f)
+              for (int64_t j = 0; j < kKeyBlock; ++j)
+                for (int64_t i = 0; i < kLanes; ++i) s[j][i] = fcap * std::tanh(s[j][i] / fcap);
+            // Some lane's window starts past this key block's first key: mask below windows too.
+            if (window > 0 && key0 + j0 <= end - 1 - window) {
+              const int32_t w = static_cast<int32_t>(window);
+              for (int64_t j = 0; j < kKeyBlock; ++j) {
+                const int32_t key = key0 + static_cast<int32_t>(j0 + j);
+#pragma omp simd
+                for (int64_t i = 0; i < kLanes; ++i)
+                  p[j0 + j][i] = key <= pos[b + i] && key > pos[b + i] - w ? s[j][i] : kMasked;
+              }
+              continue;
             }
             for (int64_t j = 0; j < kKeyBlock; ++j) {
               const int32_t key = key0 + static_cast<int32_t>(j0 + j);
@@ -411,7 +432,8 @@ namespace treadle {
 
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table,
-                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
+                             int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && q.sizes() == out.sizes(), "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "head_dim must be contiguous");
@@ -426,12 +448,15 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type() &&
               q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  if (treadle::prefill_tiles_ready(q, k_cache)) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: 0 (none) or positive");
+  // The tile kernel knows neither a window nor soft-capping: such layers take the vector kernel.
+  if (window == 0 && softcap == 0 && treadle::prefill_tiles_ready(q, k_cache)) {
     treadle::prefill_attention_tiles(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
-    prefill_attention<scalar_t>(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale);
+    prefill_attention<scalar_t>(out, q, k_cache, v_cache, block_table, query_start, context_lens, scale, window,
+                                softcap);
   });
 }
 
@@ -439,7 +464,8 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(treadle, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_table, Tensor query_start, Tensor context_lens, float scale) -> ()");
+        "Tensor block_table, Tensor query_start, Tensor context_lens, float scale, int window=0, "
+        "float softcap=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(treadle, CPU, m) { m.impl("paged_prefill_attention", &treadle::paged_prefill_attention); }

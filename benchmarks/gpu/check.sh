@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU check, in one command on a machine with a CUDA device: the `gpu` tests, results under
+# ${OUT:-./gpu-results}. See README.md here.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-./gpu-results}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+"$PY" -c "import torch; print(torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/device.txt"
+status=0
+run() {   # run NAME CMD...: its output to $OUT/NAME.log, a line in the summary
+    local name=$1; shift
+    local start=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+    [ $rc -ne 0 ] && status=1
+    printf '%-24s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log")" >> "$OUT/summary.txt"
+}
+: > "$OUT/summary.txt"
+run triton_attention "$PY" -m pytest -q -m gpu tests/test_triton_attention.py --junitxml="$OUT/triton_attention.xml"
+# Every other `gpu` test; a module whose imports this machine lacks must not stop the rest.
+run gpu_tests "$PY" -m pytest -q -m gpu --ignore=tests/test_triton_attention.py \
+    --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml"
+cat "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,45 @@
+"""What the model-family tests share (test_moe, test_model_families, test_sliding_window,
+test_gemma): transformers' own model loaded from the same folder as the reference, seeded
+random prompts, greedy runs, and the engine settings that force chunks and preemption."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from treadle import LLM, SamplingParams
+
+MAX_TOKENS = 24
+# Chunks of 16 tokens, 16-token blocks, and a cache too small for every prompt at once.
+TIGHT = {"max_num_batched_tokens": 16, "block_size": 16, "num_kv_blocks": 14, "max_num_seqs": 4}
+
+
+class PretrainedReference:
+    """transformers' model from the folder through `from_pretrained`, so its own loader reads
+    the checkpoint (per-expert or fused names); greedy through `generate`."""
+
+    def __init__(self, path: str, overrides: dict[str, torch.Tensor] | None = None) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if overrides:
+            with torch.no_grad():
+                params = dict(self.model.named_parameters())
+                for name, tensor in overrides.items():
+                    params[name].copy_(tensor)
+
+    @torch.inference_mode()
+    def greedy(self, ids: list[int], n: int = MAX_TOKENS) -> list[int]:
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        return out[0, len(ids):].tolist()
+
+
+def random_prompts(n: int, shortest: int, seed: int) -> list[list[int]]:
+    """n prompts of ordinary token ids, `shortest` tokens long and 17 more each."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 40000, (shortest + 17 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def greedy_ids(llm: LLM, batch: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]

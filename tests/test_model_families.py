@@ -1,0 +1,85 @@
+"""Phi-3 (fused checkpoint weights, LongRoPE, RoPE over part of each head) and Mistral: greedy
+fp32 output token-identical to transformers loading the same folder, batched, chunked,
+preempted and with prefix hits, and split over worker processes; and Mistral's window given to
+every layer, max_model_len no longer capped at it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.family_support import MAX_TOKENS, TIGHT, PretrainedReference as Reference, greedy_ids
+from tests.family_support import random_prompts
+from tests.tiny_models import OTHER_ARCHS, tiny_checkpoint_dir
+from treadle import LLM
+from treadle.models.rope import RotaryEmbedding
+
+
+
+@pytest.fixture(scope="module", params=OTHER_ARCHS)
+def family(request, tmp_path_factory) -> tuple[str, str]:
+    arch = request.param
+    return arch, tiny_checkpoint_dir(arch, tmp_path_factory, tie_word_embeddings=False)
+
+
+def prompts(n: int = 4) -> list[list[int]]:
+    return random_prompts(n, 9, seed=11)
+
+
+def generate(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    return greedy_ids(llm, batch)
+
+
+def test_batched_chunked_preempted_and_prefix_hits_match_transformers(family):
+    arch, path = family
+    ref = Reference(path)
+    batch = prompts()
+    want = [ref.greedy(p, MAX_TOKENS) for p in batch]
+    with LLM(path, dtype="float32", **TIGHT) as llm:
+        assert generate(llm, batch) == want
+        assert llm.get_stats().num_preemptions > 0
+        assert generate(llm, batch[2:]) == want[2:]
+        assert llm.get_stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("arch, pp, tp", [("phi3", 1, 2), ("mistral", 3, 1)])
+def test_split_over_worker_processes_matches_transformers(tmp_path_factory, arch, pp, tp):
+    """TP splits Phi-3's fused checkpoint weights part by part, as it splits Llama's."""
+    path = tiny_checkpoint_dir(arch, tmp_path_factory, tie_word_embeddings=False)
+    ref = Reference(path)
+    batch = prompts(3)
+    with LLM(path, dtype="float32", pipeline_parallel_size=pp, tensor_parallel_size=tp,
+             distributed_executor_backend="mp", **TIGHT) as llm:
+        assert generate(llm, batch) == [ref.greedy(p, MAX_TOKENS) for p in batch]
+
+
+def test_phi3_rope_tables_and_fused_weights_are_transformers(tmp_path_factory):
+    """LongRoPE's short factors and attention factor, over half of each head; the fused qkv
+    weight, split for loading and fused again, is the checkpoint's."""
+    path = tiny_checkpoint_dir("phi3", tmp_path_factory, tie_word_embeddings=False)
+    hf = Reference(path).model
+    with LLM(path, dtype="float32", num_kv_blocks=20, block_size=16) as llm:
+        model = llm.engine.core.executor.worker.runner.model
+        rotary: RotaryEmbedding = model.model.rotary
+        assert rotary.dim == 8   # half of each 16-feature head
+        for position in (0, 5, 255):
+            cos, sin = hf.model.rotary_emb(torch.zeros(1, 1, 8), torch.tensor([[position]]))
+            assert torch.allclose(rotary.cos[position], cos[0, 0], atol=1e-6)
+            assert torch.allclose(rotary.sin[position], sin[0, 0], atol=1e-6)
+        assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight,
+                           hf.model.layers[0].self_attn.qkv_proj.weight)
+        # Positions stop at the original context (256 of 1,024): past it, transformers
+        # recomputes the whole sequence with the long factors.
+        assert llm.engine.config.model.max_model_len == 256
+    with pytest.raises(ValueError, match=r"past the model's original context \(256\)"):
+        LLM(path, dtype="float32", max_model_len=257)
+
+
+def test_a_sliding_window_does_not_cap_max_model_len(tmp_path_factory):
+    """Mistral's tiny window is 512 of 1,024 positions: every layer keeps to it exactly
+    (tests/test_sliding_window.py), so max_model_len is the model's, not the window's."""
+    path = tiny_checkpoint_dir("mistral", tmp_path_factory, tie_word_embeddings=False)
+    with LLM(path, dtype="float32", num_kv_blocks=70, block_size=16) as llm:
+        assert llm.engine.config.model.max_model_len == 1024
+        layers = llm.engine.core.executor.worker.runner.model.model.layers
+        assert all(layer.self_attn.attn.sliding_window == 512 for layer in layers)

@@ -1,0 +1,330 @@
+"""The `triton` attention backend (treadle/attention/triton_*.py), on the CPU through Triton's
+interpreter: kernel by kernel against the torch backend, and the whole engine against
+transformers; and through Triton's compiler to H100 code, which needs no GPU. The `gpu` tests
+run the same comparisons compiled on a CUDA device.
+
+Triton decides when a kernel is defined whether it is interpreted, so the interpreted cases
+run in a fresh Python with TRITON_INTERPRET=1 (`_interpreted`), never in this process, where
+the kernels may have been defined for a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.attention.backend import BACKENDS, PagedAttention, check_attention_backend
+from treadle.attention.torch_backend import TorchBackend
+from treadle.attention.triton_backend import TritonBackend
+from treadle.config import EngineArgs
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+BLOCK_SIZE = 16
+
+# name -> one step: (query_lens, context_lens) per request, decodes first; query heads, KV
+# heads, head dim; and split_min_tokens (None: the backend's own, so no split at these lengths).
+CASES = {
+    "decode_mha": ([1, 1, 1], [70, 33, 5], 4, 4, 64, None),
+    "decode_gqa3": ([1, 1, 1], [70, 33, 5], 6, 2, 64, None),
+    "chunked_prefill_mha": ([20, 9], [37, 16], 2, 2, 64, None),
+    "chunked_prefill_gqa3": ([20, 9], [37, 16], 6, 2, 64, None),
+    "first_chunks_gqa3": ([19, 3], [0, 0], 6, 2, 64, None),
+    "draft_verify_gqa3_d48": ([1, 4, 6], [50, 40, 21], 6, 2, 48, None),
+    "mixed_gqa3_d80": ([1, 1, 4, 20, 7], [90, 12, 30, 0, 18], 6, 2, 80, None),
+    "split_decode_gqa3": ([1, 1, 1], [300, 150, 20], 6, 2, 64, 64),
+    "split_decode_then_chunks_mha": ([1, 1, 9, 3], [200, 40, 30, 0], 4, 4, 64, 48),
+}
+BF16_CASES = ("mixed_gqa3_d80", "split_decode_gqa3")
+FP32_TOL = 2e-5
+BF16_TOL = 3e-2
+
+
+def _step(case: str, dtype: torch.dtype, device: torch.device):
+    """A step's inputs for `case`: its layout, a layer, a random cache and new q, k, v."""
+    q_lens, ctx, hq, hkv, d, _ = CASES[case]
+    q_lens, ctx = np.array(q_lens), np.array(ctx)
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    max_blocks = -(-int((q_lens + ctx).max()) // BLOCK_SIZE) + 1   # a padded table, as the runner's
+    # Blocks scattered over the cache, none the null block 0.
+    perm = torch.randperm(len(q_lens) * max_blocks, generator=gen).numpy() + 1
+    table = perm.reshape(len(q_lens), max_blocks)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+    num_tokens = int(q_lens.sum())
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    cache = randn(2, table.size + 1, BLOCK_SIZE, hkv, d)
+    layer = PagedAttention(hq, hkv, d, d ** -0.5)
+    # q as a strided view, as the models' fused projection gives it
+    q = randn(num_tokens, hq + 2, d)[:, :hq]
+    k, v = randn(num_tokens, hkv, d), randn(num_tokens, hkv, d)
+    return (q_lens, ctx, positions, table), layer, cache, (q, k, v)
+
+
+def compare_case(case: str, dtype_name: str, device_name: str) -> dict[str, float | bool | int]:
+    """The triton backend beside the torch backend on one step of `case`: the largest
+    difference of their outputs, whether their caches match exactly after the K/V write, and
+    the number of KV splits; for a split case, also the split path beside the unsplit one."""
+    dtype, device = getattr(torch, dtype_name), torch.device(device_name)
+    layout, layer, cache, (q, k, v) = _step(case, dtype, device)
+    ref_cache = cache.clone()
+    ref = TorchBackend(device, BLOCK_SIZE).build_metadata(*layout).attend(layer, q, k, v, ref_cache)
+    backend = TritonBackend(device, BLOCK_SIZE)
+    if (min_tokens := CASES[case][-1]) is not None:
+        backend.split_min_tokens = min_tokens
+    meta = backend.build_metadata(*layout)
+    got = meta.attend(layer, q, k, v, cache)
+    result = {"max_diff": (got.float() - ref.float()).abs().max().item(),
+              "cache_equal": torch.equal(cache, ref_cache), "num_kv_splits": meta.num_kv_splits}
+    if meta.num_kv_splits > 1:
+        backend.split_max_decodes = 0
+        unsplit = backend.build_metadata(*layout)
+        assert unsplit.num_kv_splits == 1
+        result["split_vs_unsplit"] = (unsplit.attend(layer, q, k, v, cache).float()
+                                      - got.float()).abs().max().item()
+    return result
+
+
+def write_kv_skips_padding(device_name: str) -> bool:
+    """A negative slot (a padding token) writes nothing; the others land where index_copy_
+    puts them."""
+    from treadle.attention.triton_kv_write import write_kv
+
+    device = torch.device(device_name)
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 5, BLOCK_SIZE, 3, 48, generator=gen).to(device)
+    k, v = torch.randn(2, 4, 3, 48, generator=gen).to(device)
+    slots = torch.tensor([17, -1, 40, 79], device=device)
+    expected = cache.clone()
+    for i, dst in enumerate(expected):
+        dst.view(-1, 3, 48).index_copy_(0, slots[[0, 2, 3]], (k, v)[i][[0, 2, 3]])
+    write_kv(k, v, cache[0], cache[1], slots)
+    return torch.equal(cache, expected)
+
+
+def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_tokens: int,
+               device_name: str) -> dict:
+    """Greedy output of the whole engine on the triton backend in fp32, with prefill chunks of
+    16 tokens and n-gram drafts (matching a single token, so that the tiny models' outputs get
+    some); `follow_up` runs after `prompts`, for a prefix hit."""
+    from treadle import LLM, SamplingParams
+
+    llm = LLM(path, device=device_name, attention_backend="triton", dtype="float32",
+              block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert llm.engine.core.executor.worker.runner.attention.name == "triton"
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hit = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)[0]
+    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+    return {"tokens": [o.outputs[0].token_ids for o in outs] + [hit.outputs[0].token_ids],
+            "cached": hit.num_cached_tokens,
+            "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens}
+
+
+def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int) -> list[str]:
+    """Compile every kernel for an H100/H200 (sm_90) without a GPU, as the launcher would for
+    these shapes (it makes an integer argument equal to 1 a constant); the kernels' names."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from treadle.attention import triton_decode, triton_kv_write, triton_unified
+
+    block_m, block_q, head_dim_pad = triton_unified.tile_sizes(group, head_dim)
+    shape = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad,
+             "BLOCK_SIZE": BLOCK_SIZE, "TILE_N": triton_unified.TILE_N,
+             "FP32_DOT": dtype == "fp32"}
+    kernels = [
+        (triton_unified._unified_attention_kernel,
+         {**shape, "BLOCK_Q": block_q, "BLOCK_M": block_m, "num_seqs": num_seqs}),
+        (triton_decode._split_decode_kernel, {**shape, "BLOCK_H": block_m}),
+        (triton_decode._merge_splits_kernel,
+         {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "SPLITS_PAD": 4}),
+        (triton_kv_write._write_kv_kernel,
+         {"NUM_KV_HEADS": 2, "HEADS_PAD": 2, "HEAD_DIM": head_dim,
+          "HEAD_DIM_PAD": triton.next_power_of_2(head_dim), "BLOCK_SIZE": BLOCK_SIZE})]
+    for kernel, constants in kernels:
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name.startswith("part_"):
+                signature[name] = "*fp32"
+            elif name.endswith("_ptr"):
+                signature[name] = "*i32" if name[:-4] in ("block_table", "seq_lens", "query_start",
+                                                          "slot_mapping") else f"*{dtype}"
+            else:
+                signature[name] = "fp32" if name == "scale_log2" else "i32"
+        triton.compile(triton.compiler.ASTSource(kernel, signature, constants),
+                       target=GPUTarget("cuda", 90, 32))
+    return [kernel.__name__ for kernel, _ in kernels]
+
+
+def _in_fresh_python(calls: list[tuple[str, list]], interpret: bool) -> list:
+    """Run this module's functions `calls` ((name, args) pairs) in a fresh Python, under
+    Triton's interpreter or not, and return their results."""
+    code = ("import json, sys\n"
+            "import tests.test_triton_attention as m\n"
+            "calls = json.loads(sys.stdin.read())\n"
+            "print(json.dumps([getattr(m, name)(*args) for name, args in calls]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(calls), cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _interpreted(calls: list[tuple[str, list]]) -> list:
+    return _in_fresh_python(calls, interpret=True)
+
+
+# -- the backend by name ---------------------------------------------------------------------
+def test_triton_is_a_backend_refused_on_a_cpu_without_the_interpreter(monkeypatch):
+    assert "triton" in BACKENDS
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"'triton' cannot run on cpu: .*set TRITON_INTERPRET=1 "
+                                         r".*or use attention_backend 'cpu' or 'torch'"):
+        check_attention_backend("triton", CPU)
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
+        EngineArgs(attention_backend="triton", device="cpu", model="/nonexistent").create_config()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert check_attention_backend("triton", CPU) is TritonBackend
+
+
+def test_the_metadata_is_device_tensors_with_the_split_decided_on_the_host():
+    """No kernel runs here: one int32 array holds the layout, slots included; few long decodes
+    split their keys, and the requests after them get their own query starts."""
+    q_lens, ctx = np.array([1, 1, 4, 20]), np.array([2000, 900, 30, 0])
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+    table = np.arange(1, 4 * 130 + 1).reshape(4, 130)
+    meta = TritonBackend(CPU, BLOCK_SIZE).build_metadata(q_lens, ctx, positions, table)
+    assert meta.num_decodes == 2 and meta.num_kv_splits == 2000 // TritonBackend.split_min_tokens
+    assert meta.block_table.shape == (4, 126) and meta.block_table.dtype == torch.int32
+    assert torch.equal(meta.block_table, torch.from_numpy(table[:, :126]).int())
+    assert meta.seq_lens.tolist() == [2001, 901, 34, 20]
+    assert meta.query_start.tolist() == [0, 1, 2, 6, 26]
+    assert meta.rest_query_start.tolist() == [0, 4, 24]
+    expected_slots = TorchBackend(CPU, BLOCK_SIZE).slot_mapping(q_lens, positions, table)
+    assert meta.slot_mapping.dtype == torch.int32
+    assert meta.slot_mapping.tolist() == expected_slots.tolist()
+    many = TritonBackend(CPU, BLOCK_SIZE)
+    many.split_max_decodes = 1
+    assert many.build_metadata(q_lens, ctx, positions, table).num_kv_splits == 1
+
+
+@pytest.mark.parametrize("extra", [{"sliding_window": 8}, {"logit_softcap": 30.0}])
+def test_a_layer_the_kernels_cannot_serve_is_refused_loudly(extra):
+    q_lens, ctx = np.array([1]), np.array([5])
+    meta = TritonBackend(CPU, BLOCK_SIZE).build_metadata(q_lens, ctx, np.array([5]),
+                                                        np.array([[1]]))
+    layer = PagedAttention(2, 2, 16, 0.25, **extra)
+    q, kv = torch.zeros(1, 2, 16), torch.zeros(1, 2, 16)
+    with pytest.raises(NotImplementedError, match="no sliding window or logit soft-cap yet"):
+        meta.attend(layer, q, kv, kv, torch.zeros(2, 2, BLOCK_SIZE, 2, 16))
+
+
+# -- under the interpreter -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def interpreted_kernels() -> dict:
+    """Every case in fp32 and two in bf16, and the padding write: one interpreter process."""
+    calls = [("compare_case", [case, "float32", "cpu"]) for case in CASES]
+    calls += [("compare_case", [case, "bfloat16", "cpu"]) for case in BF16_CASES]
+    calls.append(("write_kv_skips_padding", ["cpu"]))
+    results = _interpreted(calls)
+    return {tuple(args[:2]) if name == "compare_case" else name: r
+            for (name, args), r in zip(calls, results)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreted_kernels_match_the_torch_backend(interpreted_kernels, case):
+    result = interpreted_kernels[(case, "float32")]
+    assert result["cache_equal"]
+    assert result["max_diff"] < FP32_TOL, result
+    assert (result["num_kv_splits"] > 1) == (CASES[case][-1] is not None), result
+    if "split_vs_unsplit" in result:
+        assert result["split_vs_unsplit"] < FP32_TOL, result
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_interpreted_kernels_in_bf16(interpreted_kernels, case):
+    result = interpreted_kernels[(case, "bfloat16")]
+    assert result["cache_equal"] and result["max_diff"] < BF16_TOL, result
+
+
+def test_interpreted_kv_write_skips_padding_slots(interpreted_kernels):
+    assert interpreted_kernels["write_kv_skips_padding"]
+
+
+def _engine_prompts(path: str) -> tuple[list[list[int]], list[int]]:
+    from treadle.models.loader import load_tokenizer
+
+    tok = load_tokenizer(path)
+    story = tok.encode("Once upon a time, in a small village at the edge of a dark forest, there "
+                       "lived an old weaver who spent her days at the loom. Every morning she")
+    assert len(story) >= 2 * BLOCK_SIZE
+    prompts = [story, tok.encode("1, 2, 3, 4, 5,"), [11, 12, 13, 14, 15] * 5]
+    # Goes on from the story, whose first two blocks are then cached: a prefix hit of 32 tokens.
+    return prompts, story + tok.encode(" and then the wolf")
+
+
+def _check_engine(result: dict, path: str, prompts, follow_up, max_tokens: int, reference) -> None:
+    ref = reference(path)
+    assert result["tokens"] == [ref.greedy(p, max_tokens) for p in prompts + [follow_up]]
+    assert result["cached"] == 2 * BLOCK_SIZE
+    assert result["drafts"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_engine_on_the_interpreter_matches_transformers(tiny_checkpoints, reference, arch):
+    path = tiny_checkpoints[arch]
+    prompts, follow_up = _engine_prompts(path)
+    [result] = _interpreted([("run_engine", [path, prompts, follow_up, 10, "cpu"])])
+    _check_engine(result, path, prompts, follow_up, 10, reference)
+
+
+# -- compiled for a GPU, without one ------------------------------------------------------
+def test_the_kernels_compile_for_an_h100_without_a_gpu():
+    """What the interpreter does not check: the kernels through Triton's compiler to sm_90
+    code, in fp32 (ieee dots) and bf16, for one sequence and for several."""
+    calls = [("compile_for_sm90", ["fp32", 3, 80, 1]), ("compile_for_sm90", ["bf16", 8, 128, 5])]
+    for names in _in_fresh_python(calls, interpret=False):
+        assert len(names) == 4
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_matches_torch_on_cuda(case, dtype):
+    assert os.environ.get("TRITON_INTERPRET") != "1", "the GPU tests compile the kernels"
+    result = compare_case(case, dtype, "cuda")
+    tol = FP32_TOL if dtype == "float32" else BF16_TOL
+    assert result["cache_equal"] and result["max_diff"] < tol, result
+    if "split_vs_unsplit" in result:
+        assert result["split_vs_unsplit"] < tol, result
+
+
+@pytest.mark.gpu
+def test_kv_write_skips_padding_slots_on_cuda():
+    assert write_kv_skips_padding("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_engine_on_cuda_matches_transformers(tiny_checkpoints, reference, arch):
+    path = tiny_checkpoints[arch]
+    prompts, follow_up = _engine_prompts(path)
+    result = run_engine(path, prompts, follow_up, 24, "cuda")
+    _check_engine(result, path, prompts, follow_up, 24, reference)

@@ -1,0 +1,321 @@
+"""Weights streamed from a trainer process (vLLM's weight-transfer protocol, issue 46).
+
+A real trainer process holds the tiny Llama's weights and is rank 0 of the transfer group; the
+engine's workers (one, two pipeline stages, three tensor shards) receive its broadcasts. Greedy
+output after a transfer equals transformers on the weights sent; sending the originals back
+restores the output exactly. Bad update_infos are refused before any weight changes, and a
+trainer that dies or stalls mid-broadcast leaves the engine on its old weights, healthy, and
+ready for a new group. Over HTTP, a real `treadle serve` with the API key.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests.reference import HFReference
+from tests.test_correctness import TEXTS
+from tests.test_server import MODEL, Server, StreamReader, assert_error
+from tests.weight_trainer import Trainer, perturbed
+from treadle import LLM, EngineArgs, SamplingParams
+from treadle.engine.weight_transfer import WeightTransferError
+from treadle.engine.weights import ServedWeights
+from treadle.models.loader import default_model_path, iter_hf_weights, load_tokenizer
+
+ENGINE_ARGS = {"block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4}
+GLOO = {"backend": "gloo"}
+MAX_TOKENS = 10
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def as_served(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """What an fp32 engine holds after receiving `pairs` (cast on the way in)."""
+    return [(name, t.to(torch.float32)) for name, t in pairs]
+
+
+@pytest.fixture
+def trainer_for():
+    """trainer_for(path, engine_world_size) -> a Trainer, stopped after the test."""
+    started: list[Trainer] = []
+
+    def make(path: str, engine_world_size: int) -> Trainer:
+        trainer = Trainer(dict(iter_hf_weights(path)), 1 + engine_world_size)
+        started.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in started:
+        trainer.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(llama) -> list[list[int]]:
+    tok = load_tokenizer(llama)
+    return [tok.encode(t) for t in TEXTS[:3]]
+
+
+def generate(llm: LLM, prompts: list[list[int]]):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+
+
+def assert_exact(outputs, prompts, ref: HFReference) -> None:
+    for ids, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == ref.greedy(ids, MAX_TOKENS), ids
+
+
+# -- configuration ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    ({"backend": "tcp"}, "weight_transfer_config.backend must be one of gloo, nccl; got 'tcp'"),
+    ('{"backend": ', "weight_transfer_config is not valid JSON"),
+    ({"backend": "gloo", "port": 1}, "weight_transfer_config has unknown keys ['port']"),
+    ({"timeout_s": 0}, "weight_transfer_config.timeout_s must be a number of seconds > 0"),
+    ({"backend": "nccl"}, "backend 'nccl' needs a CUDA device"),
+])
+def test_bad_config_names_the_field(llama, spec, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        EngineArgs(model=llama, device="cpu", weight_transfer_config=spec).create_config()
+
+
+# -- one worker --------------------------------------------------------------------------------------
+def test_one_worker(llama, reference, prompts, original_weights, trainer_for):
+    """Without the config each call says how to enable it. With it: unpacked, packed in bf16
+    over two update calls, and the trainer broadcasting by itself; each output equals
+    transformers on the weights sent, and the identity equals in-process update_weights'."""
+    with LLM(llama, **ENGINE_ARGS) as llm:
+        for call in (lambda: llm.init_weight_transfer_engine({"init_info": {}}),
+                     llm.start_weight_update, llm.finish_weight_update,
+                     lambda: llm.update_weights({"update_info": {}})):
+            with pytest.raises(RuntimeError, match="weight_transfer_config=.*--weight-transfer-config"):
+                call()
+
+    with LLM(llama, weight_transfer_config=GLOO, **ENGINE_ARGS) as llm:
+        first = generate(llm, prompts)
+        assert_exact(first, prompts, reference(llama))
+        with pytest.raises(RuntimeError, match="call init_weight_transfer_engine first"):
+            llm.start_weight_update()
+        trainer = trainer_for(llama, 1)
+        trainer.group(llm.init_weight_transfer_engine)
+        with pytest.raises(RuntimeError, match="call start_weight_update first"):
+            llm.update_weights({"update_info": {"names": [], "dtype_names": [], "shapes": []}})
+
+        sent = perturbed(original_weights, seed=1)
+        assert trainer.transfer(llm, seed=1, weight_version="v1") == len(original_weights)
+        assert llm.engine.core.weights.identity == ServedWeights().updated(sent, None).identity
+        outputs = generate(llm, prompts)
+        assert_exact(outputs, prompts, HFReference(llama, sent))
+        assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in first]
+        assert outputs[0].weight_version == "v1" and llm.get_weight_version() == "v1"
+        assert outputs[0].num_cached_tokens == 0   # the prefix cache went with the old weights
+
+        sent = as_served(perturbed(original_weights, seed=2, dtype=torch.bfloat16))
+        info = trainer.call("send", 2, torch.bfloat16, trainer.names, True, "send")
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {**info, "weight_version": "v2"}})
+        assert trainer.call()[0] == "sent"
+        assert llm.finish_weight_update() == len(original_weights)
+        assert llm.get_weight_version() == "v2"
+        assert_exact(generate(llm, prompts), prompts, HFReference(llama, sent))
+        # Packed in two parts, from the trainer's own broadcasts: the originals are back.
+        trainer.transfer(llm, seed=None, packed=True, parts=2)
+        assert_exact(generate(llm, prompts), prompts, reference(llama))
+        trainer.transfer(llm, seed=None, how="itself")
+        assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == \
+            [o.outputs[0].token_ids for o in first]
+
+
+# -- two pipeline stages: the bad transfers ---------------------------------------------------------
+def test_two_stages_and_bad_transfers(llama, reference, prompts, original_weights, trainer_for):
+    with LLM(llama, pipeline_parallel_size=2, weight_transfer_config=GLOO, **ENGINE_ARGS) as llm:
+        trainer = trainer_for(llama, 2)
+        trainer.group(llm.init_weight_transfer_engine)
+        sent = perturbed(original_weights, seed=3)
+        trainer.transfer(llm, seed=3, packed=True, weight_version=3)
+        before = generate(llm, prompts)
+        assert_exact(before, prompts, HFReference(llama, sent))
+        identity = llm.engine.core.weights.identity
+
+        def unchanged() -> None:
+            assert llm.engine.core.weights.identity == identity and llm.get_weight_version() == 3
+            assert llm.engine.core.executor.failure() is None
+            outputs = generate(llm, prompts)
+            assert [o.outputs[0].token_ids for o in outputs] == \
+                [o.outputs[0].token_ids for o in before]
+
+        # Refused before any rank joins the broadcast; a good part staged before goes too.
+        layer1 = [n for n in trainer.names if n.startswith("model.layers.2.")]
+        for field, index, value, message in [
+                ("shapes", 0, [3, 5], r"has shape \(3, 5\)"),
+                ("names", 1, "model.layers.2.mlp.bogus_proj.weight", "bogus_proj"),
+                ("dtype_names", 2, "int32", r"dtype_names\[2\].*'int32'")]:
+            llm.start_weight_update()
+            good = trainer.call("send", 4, torch.float32, layer1[:2], False, "send")
+            llm.update_weights({"update_info": good})
+            assert trainer.call() == ("sent", 2)
+            info = trainer.call("send", 4, torch.float32, layer1, False, "send")
+            info[field][index] = value
+            with pytest.raises(ValueError, match=message):
+                llm.update_weights({"update_info": info})
+            assert trainer.call()[0] in ("sent", "error")   # the closed group ends its send
+            with pytest.raises(RuntimeError, match="call init_weight_transfer_engine first"):
+                llm.finish_weight_update()
+            unchanged()
+            trainer.group(llm.init_weight_transfer_engine)
+
+        # The trainer stalls: the group's timeout ends the round.
+        trainer.group(llm.init_weight_transfer_engine, timeout_s=2)
+        llm.start_weight_update()
+        info = trainer.call("send", 5, torch.float32, None, False, "stall")
+        assert trainer.call() == ("stalled", 0)
+        start = time.monotonic()
+        with pytest.raises(WeightTransferError, match="keeps the weights it had"):
+            llm.update_weights({"update_info": info})
+        assert time.monotonic() - start < 30
+        unchanged()
+
+        # The trainer dies halfway through a round.
+        trainer.group(llm.init_weight_transfer_engine)
+        llm.start_weight_update()
+        info = trainer.call("send", 5, torch.float32, None, False, "die")
+        with pytest.raises(WeightTransferError, match="init_weight_transfer_engine again"):
+            llm.update_weights({"update_info": info})
+        trainer.proc.join(10)
+        assert trainer.proc.exitcode == 3
+        unchanged()
+
+        # A new trainer, a new group: the originals come back exactly.
+        trainer = trainer_for(llama, 2)
+        trainer.group(llm.init_weight_transfer_engine)
+        trainer.transfer(llm, seed=None)
+        assert_exact(generate(llm, prompts), prompts, reference(llama))
+
+
+# -- three tensor shards ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_tp3(tmp_path_factory) -> str:
+    """A tiny Llama with 6 heads, 3 KV heads, hidden 96 and an MLP of 192: it splits three
+    ways (the shared tiny checkpoints have 4 heads)."""
+    import transformers
+
+    from tests.tiny_models import _sharpen, tiny_config
+
+    tok = load_tokenizer(default_model_path())
+    config = tiny_config("llama", tok, tie_word_embeddings=True)
+    config.num_attention_heads, config.num_key_value_heads = 6, 3
+    config.hidden_size, config.intermediate_size = 96, 192
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    _sharpen(model, 0.3, 0.5)
+    path = tmp_path_factory.mktemp("tp3") / "llama"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_three_tensor_shards(llama_tp3, reference, trainer_for):
+    path = llama_tp3
+    weights = dict(iter_hf_weights(path))
+    prompts = [load_tokenizer(path).encode(t) for t in TEXTS[:3]]
+    with LLM(path, tensor_parallel_size=3, weight_transfer_config=GLOO, **ENGINE_ARGS) as llm:
+        trainer = trainer_for(path, 3)
+        trainer.group(llm.init_weight_transfer_engine)
+        trainer.transfer(llm, seed=6)
+        ref = HFReference(path, perturbed(weights, 6))
+        assert_exact(generate(llm, prompts), prompts, ref)
+        assert [ref.greedy(p, MAX_TOKENS) for p in prompts] != \
+            [reference(path).greedy(p, MAX_TOKENS) for p in prompts]
+        trainer.transfer(llm, seed=None, packed=True)
+        assert_exact(generate(llm, prompts), prompts, reference(path))
+
+
+# -- over HTTP ---------------------------------------------------------------------------------------
+def test_http_routes(llama, reference, prompts, original_weights, trainer_for, tmp_path):
+    srv = Server(llama, tmp_path, "--weight-transfer-config", '{"backend": "gloo"}',
+                 env={"TREADLE_API_KEY": "sesame"})
+    key = {"Authorization": "Bearer sesame"}
+
+    def post(path: str, body: Any = None, headers: dict | None = key) -> tuple[int, Any]:
+        return srv.request("POST", path, {} if body is None else body, headers=headers)
+
+    def completions(client) -> list[list[int]]:
+        out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=MAX_TOKENS,
+                                        temperature=0, extra_body={"ignore_eos": True,
+                                                                   "return_token_ids": True})
+        return [c.token_ids for c in sorted(out.choices, key=lambda c: c.index)]
+
+    try:
+        for path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                     "/finish_weight_update"):
+            assert_error(*post(path, headers=None), 401)
+        assert_error(*post("/start_weight_update"), 409)                  # no group yet
+        status, body = post("/init_weight_transfer_engine", {})
+        assert_error(status, body, 400)
+        assert "init_info" in body["error"]["message"]
+        status, body = post("/init_weight_transfer_engine", {"init_info": {
+            "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}})
+        assert_error(status, body, 400)
+        assert body["error"]["param"] == "init_info.rank_offset"
+
+        trainer = trainer_for(llama, 1)
+
+        def init(request: dict) -> None:
+            assert post("/init_weight_transfer_engine", request) == \
+                (200, {"message": "Weight transfer initialized"})
+
+        trainer.group(init)
+        assert_error(*post("/update_weights", {"update_info": {}}), 409)   # no round yet
+        assert post("/start_weight_update", {"is_checkpoint_format": True})[0] == 200
+        status, body = post("/update_weights", {"update_info": {"names": ["x"]}})
+        assert_error(status, body, 400)
+        assert body["error"]["param"] == "update_info.dtype_names"
+        assert_error(*post("/update_weights", {"update_info": {}}), 409)   # the round went
+        trainer.group(init)
+        assert post("/start_weight_update")[0] == 200
+        # A name the model does not have: refused, and the group dropped (the trainer sent).
+        info = trainer.call("send", 7, torch.float32, trainer.names[:1], False, "send")
+        info["names"][0] = "model.layers.0.self_attn.bogus.weight"
+        status, body = post("/update_weights", {"update_info": info})
+        assert_error(status, body, 400)
+        assert "bogus" in body["error"]["message"]
+        trainer.call()
+        trainer.group(init)
+
+        # While a request runs unpaused the round is refused; paused (keep), it goes through.
+        client = srv.client("sesame")
+        reader = StreamReader(client, prompt="Once upon a time", max_tokens=200,
+                              extra_body={"ignore_eos": True})
+        reader.wait_for_chunks(2)
+        status, body = post("/start_weight_update")
+        assert_error(status, body, 409)
+        assert "pause" in body["error"]["message"]
+        assert srv.request("POST", "/pause?mode=keep", headers=key)[0] == 200
+        assert post("/start_weight_update")[0] == 200
+        info = trainer.call("send", 7, torch.float32, None, True, "send")
+        assert post("/update_weights", {"update_info": info}) == \
+            (200, {"message": "Weights updated", "num_tensors": len(original_weights)})
+        assert trainer.call()[0] == "sent"
+        assert post("/finish_weight_update", {"weight_version": "http-7"}) == \
+            (200, {"message": "Weight update finished", "num_tensors": len(original_weights),
+                   "weight_version": "http-7"})
+        assert srv.request("POST", "/resume", headers=key)[0] == 200
+        assert reader.result()[1] == "length"
+        assert srv.request("GET", "/weight_version", headers=key) == \
+            (200, {"weight_version": "http-7"})
+        ref = HFReference(llama, perturbed(original_weights, 7))
+        assert completions(client) == [ref.greedy(p, MAX_TOKENS) for p in prompts]
+
+        # A trainer that dies mid-round: a 502, and the engine serves as before.
+        assert post("/start_weight_update")[0] == 200
+        info = trainer.call("send", 8, torch.float32, None, False, "die")
+        status, body = post("/update_weights", {"update_info": info})
+        assert_error(status, body, 502)
+        assert "keeps the weights it had" in body["error"]["message"]
+        assert srv.request("GET", "/health")[0] == 200
+        assert completions(client) == [ref.greedy(p, MAX_TOKENS) for p in prompts]
+    finally:
+        assert srv.stop() == 0, srv.log()

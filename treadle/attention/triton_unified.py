@@ -1,0 +1,158 @@
+"""One Triton kernel for a whole step's paged attention: decodes, prefill chunks over a cached
+prefix and 1 + k draft verification, in one launch.
+
+Each program takes one block of up to BLOCK_Q query tokens of one sequence and one KV head,
+with every query head of that KV head's group: its tile holds BLOCK_M = BLOCK_Q * group rows,
+one per (token, head), so a K/V tile is loaded once per group (GQA). It walks the sequence's
+keys through the block table in tiles of TILE_N, causal within the chunk (bottom-right: the
+chunk's token i sees context + i + 1 keys), with an online softmax in fp32.
+
+The grid is an upper bound known from shapes alone: sequence s's query blocks are numbered from
+query_start[s] // BLOCK_Q + s (enough room for ceil(q_len / BLOCK_Q) blocks), so
+num_tokens // BLOCK_Q + num_seqs covers every sequence. Each program finds its sequence by a
+binary search of query_start on the device and returns early if its block is past the
+sequence's query: no query length comes back to the host. (vLLM's unified Triton attention
+numbers its blocks the same way.)
+
+Dots accumulate in fp32. bf16 and fp16 inputs go to them as they are; fp32 inputs go with
+input_precision="ieee" (not tf32), so that an fp32 run can match transformers token for token.
+Under Triton's interpreter, whose bf16 dot is wrong, every dot runs in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Keys per inner-loop tile, whatever the cache's block size: each key finds its block alone.
+TILE_N = 32
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the kernels' dots run in fp32 (ieee): for fp32 inputs, and under the interpreter."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tile_sizes(group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, HEAD_DIM_PAD): rows of a query tile (tl.dot needs 16 at least), query
+    tokens in it, and the head dim padded to a power of two."""
+    block_m = max(16, triton.next_power_of_2(group))
+    return block_m, block_m // group, max(16, triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose numbered query blocks hold `q_block`."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
+        scale_log2, num_seqs,
+        stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+        stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, stride_bt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        TILE_N: tl.constexpr, FP32_DOT: tl.constexpr):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = local_block * BLOCK_Q + rows // GROUP        # the row's token within the chunk
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    query_pos = context + q_idx
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    q_rows = q_start + q_idx
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims[None, :] * stride_qd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # Keys this block's last token sees: the context and the chunk up to that token.
+    num_keys = tl.minimum(seq_len, context + (local_block + 1) * BLOCK_Q)
+    tables = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, num_keys, TILE_N):
+        key_pos = start + tl.arange(0, TILE_N)
+        key_ok = key_pos < num_keys
+        block = tl.load(tables + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        in_block = key_pos % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_kp
+                    + kv_head * stride_kh + dims[:, None],
+                    mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vp
+                    + kv_head * stride_vh + dims[None, :],
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        s = tl.where(key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with every key masked so far (padding rows) keep a finite shift, not -inf - -inf.
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
+             + dims[None, :] * stride_od,
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def unified_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start: torch.Tensor, scale: float) -> None:
+    """Attention for sequences laid out one after another in q.
+
+    out, q: [num_tokens, Hq, D] (any strides); k_cache, v_cache: [num_blocks, block_size,
+    Hkv, D], last dim contiguous; block_table: [num_seqs, max_blocks] int32; seq_lens:
+    [num_seqs] int32, cached tokens plus the chunk; query_start: [num_seqs + 1] int32, the
+    chunks' first rows.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = block_table.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_m, block_q, head_dim_pad = tile_sizes(group, head_dim)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_table, seq_lens, query_start,
+        scale * LOG2E, num_seqs,
+        *q.stride(), *out.stride(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=TILE_N, FP32_DOT=dot_in_fp32(q.dtype))

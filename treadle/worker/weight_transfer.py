@@ -1,0 +1,123 @@
+"""A worker's end of a weight transfer from a trainer (treadle/distributed/weight_transfer.py).
+
+Every worker receives every tensor into staging buffers; nothing touches the model until
+`finish`, which applies the round through the runner's update path, so each rank keeps only its
+own shard and a round that fails halfway leaves the old weights in place. Rank 0 hashes what it
+receives into the digest the engine chains into the weights' identity (engine/weights.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from treadle.config import WeightTransferConfig
+from treadle.distributed.parallel_state import ParallelContext
+from treadle.distributed.weight_transfer import InitInfo, TransferGroup, UpdateInfo, unpack
+from treadle.engine.weights import add_to_digest, update_digest
+from treadle.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class WeightReceiver:
+    def __init__(self, config: WeightTransferConfig | None, runner: ModelRunner,
+                 ctx: ParallelContext) -> None:
+        self.config = config
+        self.runner = runner
+        self.ctx = ctx
+        self.group: TransferGroup | None = None
+        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.digest: Any = None   # of the round's tensors so far, on rank 0
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's group as rank rank_offset + this worker's rank (a new group
+        replaces any earlier one)."""
+        if self.config is None:
+            raise RuntimeError("weight transfer is not enabled: start the engine with "
+                               "weight_transfer_config={'backend': 'gloo'}")
+        self.abort(close_group=True)
+        info = InitInfo.parse(init_info)
+        rank = info.rank_offset + self.ctx.rank
+        if rank >= info.world_size:
+            raise ValueError(f"init_info.world_size {info.world_size} has no rank {rank} for "
+                             f"worker {self.ctx.rank} (rank_offset {info.rank_offset})")
+        # gloo stages on the host whatever the device; NCCL receives on the worker's GPU.
+        device = self.runner.device if self.config.backend == "nccl" else torch.device("cpu")
+        group = TransferGroup(self.config.backend, info.master_address, info.master_port, rank,
+                              info.world_size, info.timeout or self.config.timeout_s, device)
+        try:
+            group.connect()
+        except BaseException:
+            group.close()
+            raise
+        self.group = group
+        logger.info("weight transfer: joined %s:%d as rank %d of %d (%s)", info.master_address,
+                    info.master_port, rank, info.world_size, self.config.backend)
+
+    def start(self) -> None:
+        self.staged = []
+        self.digest = update_digest() if self.ctx.rank == 0 else None
+
+    def check(self, update_info: dict[str, Any]) -> None:
+        """Raise ValueError if any name, shape or dtype does not fit this rank's model, before
+        anything is received."""
+        info = UpdateInfo.parse(update_info)
+        self.runner.check_weights([(name, shape) for name, _, shape in info.tensors()])
+
+    def receive(self, update_info: dict[str, Any]) -> int:
+        """Receive the tensors update_info lists into staging; returns how many. A failure
+        drops the round's staged tensors and the group, which is then broken for every rank."""
+        if self.group is None:
+            raise RuntimeError("no weight transfer group: call init_weight_transfer_engine")
+        info = UpdateInfo.parse(update_info)
+        layout = info.tensors()
+        received = 0
+        try:
+            for chunk in info.chunks():
+                part = [layout[i] for i in chunk]
+                for name, tensor in self._receive_chunk(part, info.packed):
+                    self.staged.append((name, tensor))
+                    if self.digest is not None:
+                        add_to_digest(self.digest, name, tensor)
+                    received += 1
+        except Exception as e:
+            self.abort(close_group=True)
+            raise RuntimeError(f"receiving from the trainer failed after {received} of "
+                               f"{len(layout)} tensors: {e}") from e
+        return received
+
+    def _receive_chunk(self, part: list[tuple[str, torch.dtype, tuple[int, ...]]], packed: bool
+                       ) -> list[tuple[str, torch.Tensor]]:
+        assert self.group is not None
+        device = self.group.device
+        if not packed:
+            (name, dtype, shape), = part
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            self.group.broadcast(tensor)
+            return [(name, tensor)]
+        size = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in part)
+        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        self.group.broadcast(buffer)
+        return list(unpack(buffer, part))
+
+    def check_staged(self) -> None:
+        """Raise as applying the round would (after sleep(level=2), a round must hold every
+        weight), changing nothing."""
+        self.runner.check_weights([(name, tuple(t.shape)) for name, t in self.staged])
+
+    def finish(self) -> tuple[int, str | None]:
+        """Apply the round; (distinct weights set, rank 0's digest of the round)."""
+        staged, self.staged = self.staged, []
+        digest, self.digest = self.digest, None
+        count = self.runner.update_weights(staged)
+        return count, digest.hexdigest() if digest is not None else None
+
+    def abort(self, close_group: bool) -> None:
+        """Drop the staged tensors, and with close_group the group too."""
+        self.staged, self.digest = [], None
+        if close_group and self.group is not None:
+            self.group.close()
+            self.group = None

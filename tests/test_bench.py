@@ -60,7 +60,7 @@ def test_bench_floor_counts_the_weights_a_step_reads(tiny_checkpoints, tmp_path,
     out = tmp_path / "floor.json"
     path = tiny_checkpoints[arch]
     # Enough decode steps that a tiny model's TPOT stands above the machine's noise.
-    assert main(["bench", "floor", "--model", path, "--input-len", "4", "--output-len", "32",
+    assert main(["bench", "floor", "--model", path, "--input-len", "4", "--output-len", "96",
                  "--num-iters", "3", "--copy-mib", "64", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32")

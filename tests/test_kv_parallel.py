@@ -151,8 +151,8 @@ def tp3_prompts(llama_tp3) -> list[list[int]]:
     return [long, long[:40], tok.encode(TEXTS[2])]
 
 
-PARALLEL_FAILURES = [("tp3", c) for c in ("shared_storage", "offloading", "redis", "multi")] + [
-    ("pp2", "shared_storage"), ("pp2", "multi")]
+PARALLEL_FAILURES = [(layout, c) for layout in ("tp3", "pp2")
+                     for c in ("shared_storage", "offloading", "redis", "multi")]
 
 
 @pytest.mark.parametrize("layout, connector", PARALLEL_FAILURES)

@@ -173,10 +173,10 @@ class StructuredOutputsConfig:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str) -> "StructuredOutputsConfig":
-        from treadle.structured_output.registry import backend_class
+        from treadle.structured_output.registry import check_backend
 
         config = cls(**_json_fields("structured_outputs_config", spec, cls))
-        backend_class(config.backend)   # an unknown name: ValueError
+        check_backend(config.backend)   # an unknown name: ValueError
         timeout = config.compilation_timeout_s
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                 or not 0 <= timeout < float("inf")):

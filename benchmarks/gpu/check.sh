@@ -16,9 +16,13 @@ run() {   # run NAME CMD...: its output to $OUT/NAME.log, a line in the summary
     printf '%-24s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log")" >> "$OUT/summary.txt"
 }
 : > "$OUT/summary.txt"
-run triton_attention "$PY" -m pytest -q -m gpu tests/test_triton_attention.py --junitxml="$OUT/triton_attention.xml"
+# Each part has a limit of its own, so the whole check stays within 8 minutes.
+run triton_attention timeout 150 "$PY" -m pytest -q -m gpu tests/test_triton_attention.py \
+    --junitxml="$OUT/triton_attention.xml"
+# Issue 45's workloads (exactness, throughput, latency, profile): $OUT/workloads.json.
+run workloads timeout 240 "$PY" benchmarks/gpu/workloads.py --out "$OUT"
 # Every other `gpu` test; a module whose imports this machine lacks must not stop the rest.
-run gpu_tests "$PY" -m pytest -q -m gpu --ignore=tests/test_triton_attention.py \
+run gpu_tests timeout 60 "$PY" -m pytest -q -m gpu --ignore=tests/test_triton_attention.py \
     --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml"
 cat "$OUT/summary.txt"
 exit $status

@@ -18,8 +18,6 @@ import logging
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 from torch import nn
 
 from treadle.models.loader import gguf_tensors, unpermute_rope_rows
@@ -55,6 +53,11 @@ class GgufWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight, as gguf's own dequantizer computes it."""
+        # Imported here: the engine runs without gguf (a GPU machine may lack it) until a
+        # GGUF file is read.
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
         (blocks,) = self.tensors
         weight = dequantize(blocks.numpy(), GGMLQuantizationType(self.ggml_type))
         return torch.from_numpy(weight.reshape(blocks.shape[0], -1))

@@ -35,6 +35,14 @@ def _build_backend(name: str, model_path: str, vocab_size: int) -> GrammarBacken
     return cls(tokenizer, vocab_size, default_eos_token_id(tokenizer, load_hf_config(model_path)))
 
 
+def check_backend(name: str) -> None:
+    """Raise ValueError for a name that is no backend, or for one whose library is missing.
+    xgrammar is not imported here: the engine runs without it (a GPU machine may lack it)
+    until a request asks for a grammar."""
+    if name != "xgrammar":
+        backend_class(name)
+
+
 def backend_class(name: str) -> type[GrammarBackend]:
     if name == "xgrammar":
         from treadle.structured_output.xgrammar_backend import XgrammarBackend

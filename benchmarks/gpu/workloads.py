@@ -1,0 +1,295 @@
+"""Issue 45's workloads on a GPU, in one process, each part timed and kept apart so that one
+failing part does not stop the others. Models are built from configs with random weights (the
+GPU machines have no network and no embedded model), with a word-level tokenizer made here.
+
+    python benchmarks/gpu/workloads.py --out DIR [--parts exactness,throughput,latency,profile]
+    python benchmarks/gpu/workloads.py --device cpu --small --out /tmp/w   # a dry run here
+
+Parts:
+- exactness: SmolLM2-135M's shape in fp32, greedy, token-identical to transformers on the same
+  device: plain, chunked prefill, preemption, prefix hits, async scheduling, n-gram drafts.
+- throughput: Qwen3-0.6B's shape in bf16, 256 requests, input and output lengths uniform in
+  [100, 1024], ignore_eos (nano-vllm's shape); transformers' `generate` on a subset for the ratio.
+- latency: batch 1, a 128-token prompt and 256 output tokens; TPOT against the floor (weight
+  bytes over a device-to-device copy's bandwidth measured here).
+- profile: torch.profiler over decode steps at batch 16: the top kernels and the host's share.
+Writes DIR/workloads.json and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from treadle import LLM, SamplingParams  # noqa: E402
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+               rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
+            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def build_model(arch: str, shape: dict[str, Any], folder: str, dtype: torch.dtype) -> str:
+    """A random model of this shape, saved with a word-level tokenizer over its vocabulary.
+    Norms and the head's rows are spread as tests/tiny_models.py does, so greedy argmax does
+    not flip on float noise."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = getattr(transformers, f"{arch}Config")(**shape, bos_token_id=1, eos_token_id=2,
+                                                     initializer_range=0.2)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+        head = model.get_output_embeddings().weight
+        head.mul_(torch.exp(0.5 * torch.randn(head.shape[0], 1)))
+    model.to(dtype).save_pretrained(folder)
+    vocab = {f"w{i}": i for i in range(shape["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2",
+                                         unk_token="w0").save_pretrained(folder)
+    return folder
+
+
+def random_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (s,), generator=gen).tolist() for s in sizes]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- parts ------------------------------------------------------------------------------------
+def exactness(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    import transformers
+
+    shape = TINY if ns.small else SMOLLM2
+    path = build_model("Llama", shape, os.path.join(folder, "smollm2"), torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(ns.device).eval()
+    prompts = random_prompts(6, (20, 200), shape["vocab_size"], seed=1)
+    max_tokens = 32
+
+    @torch.inference_mode()
+    def greedy(ids: list[int]) -> list[int]:
+        x = torch.tensor([ids], device=ns.device)
+        out = ref.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                           attention_mask=torch.ones_like(x))
+        return out[0, len(ids):].tolist()
+
+    want = [greedy(p) for p in prompts]
+    variants = {
+        "plain": {},
+        "chunked prefill": {"max_num_batched_tokens": 64},
+        "preemption": {"num_kv_blocks": 24, "max_num_seqs": 4},
+        "async scheduling": {"async_scheduling": True},
+        "n-gram drafts": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_max": 3}},
+    }
+    results = {}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for name, args in variants.items():
+        with LLM(path, device=ns.device, dtype="float32", block_size=16, **args) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            again = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+            got = [list(o.outputs[0].token_ids) for o in outs]
+            results[name] = {"identical": sum(g == w for g, w in zip(got, want)),
+                             "of": len(prompts),
+                             "prefix_hits_identical": sum(list(o.outputs[0].token_ids) == w
+                                                          for o, w in zip(again, want))}
+    return results
+
+
+def throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    import transformers
+
+    shape = TINY if ns.small else QWEN3_06B
+    path = build_model("Qwen3", shape, os.path.join(folder, "qwen3"), torch.bfloat16)
+    n, lengths = (16, (10, 60)) if ns.small else (256, (100, 1024))
+    prompts = random_prompts(n, lengths, shape["vocab_size"], seed=2)
+    outputs = torch.randint(lengths[0], lengths[1] + 1, (n,),
+                            generator=torch.Generator().manual_seed(3)).tolist()
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outputs]
+    result: dict[str, Any] = {"requests": n, "output_tokens": sum(outputs)}
+    with LLM(path, device=ns.device, dtype="bfloat16", **ns.engine) as llm:
+        llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)   # warm-up
+        sync(ns.device)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        sync(ns.device)
+        elapsed = time.perf_counter() - start
+    result["treadle_s"] = elapsed
+    result["treadle_output_tok_s"] = sum(outputs) / elapsed
+    # transformers on a subset: batches of 16 of similar output length, left-padded.
+    subset = sorted(range(n), key=lambda i: outputs[i])[: (8 if ns.small else 32)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(ns.device).eval()
+    tokens, start = 0, time.perf_counter()
+    for at in range(0, len(subset), 16):
+        batch = subset[at:at + 16]
+        longest = max(len(prompts[i]) for i in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            ids[row, longest - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, longest - len(prompts[i]):] = 1
+        new = max(outputs[i] for i in batch)
+        with torch.inference_mode():
+            model.generate(ids.to(ns.device), attention_mask=mask.to(ns.device), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False)
+        tokens += sum(outputs[i] for i in batch)
+    sync(ns.device)
+    result["transformers_subset_requests"] = len(subset)
+    result["transformers_output_tok_s"] = tokens / (time.perf_counter() - start)
+    result["ratio"] = result["treadle_output_tok_s"] / result["transformers_output_tok_s"]
+    return result
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[1:])
+
+
+def latency(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    shape = TINY if ns.small else QWEN3_06B
+    path = os.path.join(folder, "qwen3")
+    if not os.path.isdir(path):
+        build_model("Qwen3", shape, path, torch.bfloat16)
+    prompt = random_prompts(1, (128, 128), shape["vocab_size"], seed=4)[0]
+    out_tokens = 32 if ns.small else 256
+    with LLM(path, device=ns.device, dtype="bfloat16", **ns.engine) as llm:
+        weight_bytes = sum(p.numel() * p.element_size() for p in
+                           llm.engine.core.executor.worker.runner.model.parameters())
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        full = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)   # warm-up
+        ttft, total = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
+            ttft.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)
+            total.append(time.perf_counter() - start)
+    tpot = (statistics.median(total) - statistics.median(ttft)) / (out_tokens - 1)
+    bandwidth = copy_bandwidth(ns.device, 256 << 20 if ns.small else 2 << 30)
+    floor = weight_bytes / bandwidth
+    return {"ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * tpot,
+            "weight_bytes": weight_bytes, "copy_GB_s": bandwidth / 1e9, "floor_ms": 1e3 * floor,
+            "tpot_over_floor": tpot / floor}
+
+
+def profile(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    shape = TINY if ns.small else QWEN3_06B
+    path = os.path.join(folder, "qwen3")
+    if not os.path.isdir(path):
+        build_model("Qwen3", shape, path, torch.bfloat16)
+    prompts = random_prompts(16, (100, 100), shape["vocab_size"], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ns.device.startswith("cuda") else [])
+    results = {}
+    for async_scheduling in (False, True):
+        with LLM(path, device=ns.device, dtype="bfloat16", async_scheduling=async_scheduling,
+                 **ns.engine) as llm:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            sync(ns.device)
+            start = time.perf_counter()
+            with torch_profile(activities=activities) as prof:
+                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                sync(ns.device)
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        key = "device_time_total" if ns.device.startswith("cuda") else "cpu_time_total"
+        top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:12]
+        busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+        results[f"async={async_scheduling}"] = {
+            "wall_s": wall, "device_busy_s": busy,
+            "device_idle_share": (1 - busy / wall) if ns.device.startswith("cuda") else None,
+            "top": [(e.key, getattr(e, key, 0) / 1e3) for e in top]}
+    return results
+
+
+PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
+    "exactness": exactness, "throughput": throughput, "latency": latency, "profile": profile}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "./gpu-results"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--small", action="store_true", help="tiny shapes: a dry run on the CPU")
+    parser.add_argument("--engine", type=json.loads, default={},
+                        help='extra engine arguments as JSON, e.g. \'{"attention_backend": "triton"}\'')
+    ns = parser.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    report: dict[str, Any] = {"device": (torch.cuda.get_device_name(0) if ns.device.startswith("cuda")
+                                         else "cpu"), "torch": torch.__version__,
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    failed = False
+    with tempfile.TemporaryDirectory() as folder:
+        for name in ns.parts.split(","):
+            start = time.perf_counter()
+            try:
+                report[name] = PARTS[name](ns, folder)
+            except Exception:
+                failed = True
+                report[name] = {"error": traceback.format_exc()[-3000:]}
+            report[name]["part_s"] = time.perf_counter() - start
+            with open(os.path.join(ns.out, "workloads.json"), "w") as f:
+                json.dump(report, f, indent=2, default=str)
+    print(f"\n{report['device']}, torch {report['torch']}, {report['date']}")
+    for name in ns.parts.split(","):
+        part = report[name]
+        if "error" in part:
+            summary = "FAILED: " + part["error"].strip().splitlines()[-1]
+        elif name == "exactness":
+            summary = "; ".join(f"{k} {v['identical']}/{v['of']}" for k, v in part.items() if k != "part_s")
+        elif name == "throughput":
+            summary = (f"{part['treadle_output_tok_s']:.0f} output tok/s; transformers "
+                       f"{part['transformers_output_tok_s']:.0f} on {part['transformers_subset_requests']} "
+                       f"requests; {part['ratio']:.2f}x")
+        elif name == "latency":
+            summary = (f"TPOT {part['tpot_ms']:.2f} ms, floor {part['floor_ms']:.2f} ms "
+                       f"({part['tpot_over_floor']:.2f}x), TTFT {part['ttft_ms']:.1f} ms")
+        else:
+            summary = "; ".join(f"{k}: wall {v['wall_s']:.2f}s, device busy {v['device_busy_s']:.2f}s"
+                                for k, v in part.items() if k != "part_s")
+        print(f"{name:<11} {part['part_s']:6.1f}s  {summary}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.attention.triton_unified import LOG2E, TILE_N, dot_in_fp32, tile_sizes
+from treadle.attention.triton_unified import LOG2E, TILE_N, dot_in_fp32, load_kv_tile, tile_sizes
 
 
 @triton.jit
@@ -51,14 +51,9 @@ def _split_decode_kernel(
     for tile in range(start, end, TILE_N):
         key_pos = tile + tl.arange(0, TILE_N)
         key_ok = key_pos < end
-        block = tl.load(tables + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        in_block = key_pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_kp
-                    + kv_head * stride_kh + dims[:, None],
-                    mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vp
-                    + kv_head * stride_vh + dims[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims,
+                            dim_ok, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+                            stride_vh, BLOCK_SIZE)
         if FP32_DOT:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:

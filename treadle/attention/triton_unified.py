@@ -32,6 +32,23 @@ LOG2E = 1.4426950408889634
 TILE_N = 32
 
 
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims, dim_ok,
+                 stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                 BLOCK_SIZE: tl.constexpr):
+    """The keys at `key_pos` through the sequence's block table: K as [head_dim, keys] (ready
+    for q @ K) and V as [keys, head_dim]; zeros where a key or a feature is masked."""
+    block = tl.load(tables + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    in_block = key_pos % BLOCK_SIZE
+    k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_kp
+                + kv_head * stride_kh + dims[:, None],
+                mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vp
+                + kv_head * stride_vh + dims[None, :],
+                mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    return k, v
+
+
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether the kernels' dots run in fp32 (ieee): for fp32 inputs, and under the interpreter."""
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
@@ -100,14 +117,9 @@ def _unified_attention_kernel(
     for start in range(0, num_keys, TILE_N):
         key_pos = start + tl.arange(0, TILE_N)
         key_ok = key_pos < num_keys
-        block = tl.load(tables + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        in_block = key_pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_kp
-                    + kv_head * stride_kh + dims[:, None],
-                    mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vp
-                    + kv_head * stride_vh + dims[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims,
+                            dim_ok, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+                            stride_vh, BLOCK_SIZE)
         if FP32_DOT:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:

@@ -26,18 +26,24 @@ from treadle.models.moe import SparseMoeBlock
 PROMPT, OUTPUT = 32, 64
 
 
-def build_model(path: str) -> None:
+# This bench's model; benchmarks/model_families.py builds a larger one through build_model.
+SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4,
+             moe_intermediate_size=256, max_position_embeddings=1024)
+
+
+def build_model(path: str, shape: dict = SHAPE) -> int:
+    """A random, tied Qwen3-MoE of `shape` with the embedded tokenizer at `path`; its
+    parameter count."""
     import transformers
 
     tokenizer = load_tokenizer(default_model_path())
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=32,
-        num_experts_per_tok=4, moe_intermediate_size=256, max_position_embeddings=1024,
-        tie_word_embeddings=True)
+    config = transformers.Qwen3MoeConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, **shape)
     torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
 
 
 def every_expert(self: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:

@@ -68,11 +68,45 @@ def test_phi3_rope_tables_and_fused_weights_are_transformers(tmp_path_factory):
             assert torch.allclose(rotary.sin[position], sin[0, 0], atol=1e-6)
         assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight,
                            hf.model.layers[0].self_attn.qkv_proj.weight)
-        # Positions stop at the original context (256 of 1,024): past it, transformers
-        # recomputes the whole sequence with the long factors.
-        assert llm.engine.config.model.max_model_len == 256
-    with pytest.raises(ValueError, match=r"past the model's original context \(256\)"):
-        LLM(path, dtype="float32", max_model_len=257)
+        # Past the original context (256 of 1,024 positions) the long factors' tables follow
+        # the short ones; transformers takes them for a whole forward whose last position is
+        # past it.
+        assert rotary.long_rope_offset == 1024   # rows for every position the model has
+        cos, sin = hf.model.rotary_emb(torch.zeros(1, 1, 8), torch.tensor([[5, 300]]))
+        for i, position in enumerate((5, 300)):
+            assert torch.allclose(rotary.cos[rotary.long_rope_offset + position], cos[0, i], atol=1e-6)
+            assert torch.allclose(rotary.sin[rotary.long_rope_offset + position], sin[0, i], atol=1e-6)
+        assert not torch.allclose(rotary.cos[300], cos[0, 1], atol=1e-3)
+
+
+# Prompts around the original context (256): one past it from the start, two that cross it
+# while generating (after 7 and after 17 tokens), one that never reaches it.
+LONG_ROPE_LENGTHS = (300, 250, 240, 100)
+
+
+@pytest.mark.parametrize("mode", [
+    {},
+    {"async_scheduling": True},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "async_scheduling": True},
+], ids=["sync", "async", "ngram", "pp2-async"])
+def test_phi3_past_the_original_context_matches_transformers(tmp_path_factory, mode):
+    """LongRoPE past the original context: a prompt longer than it takes the long factors
+    throughout; a request that grows past it is recomputed with them, as transformers' generate
+    does, batched, chunked, preempted and with prefix hits."""
+    path = tiny_checkpoint_dir("phi3", tmp_path_factory, tie_word_embeddings=False)
+    ref = Reference(path)
+    gen = torch.Generator().manual_seed(5)
+    batch = [torch.randint(100, 30000, (n,), generator=gen).tolist() for n in LONG_ROPE_LENGTHS]
+    # Repeats, so that n-gram drafts are proposed and accepted.
+    batch[1] = (batch[1][:50] * 5)[:250]
+    want = [ref.greedy(p, MAX_TOKENS) for p in batch]
+    with LLM(path, dtype="float32", max_num_batched_tokens=64, block_size=16, num_kv_blocks=48,
+             max_num_seqs=4, **mode) as llm:
+        assert generate(llm, batch) == want
+        assert llm.get_stats().num_preemptions > 0
+        assert generate(llm, batch[1:3]) == want[1:3]
+        assert llm.get_stats().prefix_cache_hits > 0
 
 
 def test_a_sliding_window_does_not_cap_max_model_len(tmp_path_factory):

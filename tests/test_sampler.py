@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from treadle.sampling_params import SamplingParams
-from treadle.worker.sampler import Sampler, SamplingRow, apply_logit_bias
+from treadle.worker.sampler import (Sampler, SamplingRow, apply_logit_bias, apply_penalties,
+                                    logprobs_lists, token_logprobs)
 
 V = 8
 
@@ -56,14 +57,13 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
 
 def test_penalties_follow_the_openai_and_ctrl_rules():
     base = [1.0, -1.0, 2.0, 0.5, 0, 0, 0, 0]
-    s = Sampler(torch.device("cpu"))
     logits = torch.tensor([base])
-    s._apply_penalties(logits[0], row(prompt=[0], output=[1, 1, 2], repetition_penalty=2.0))
+    apply_penalties(logits, [row(prompt=[0], output=[1, 1, 2], repetition_penalty=2.0)])
     # Seen tokens (prompt 0, output 1 and 2): positive logits halve, negative ones double.
     assert logits[0].tolist() == [0.5, -2.0, 1.0, 0.5, 0, 0, 0, 0]
     logits = torch.tensor([base])
-    s._apply_penalties(logits[0], row(prompt=[0], output=[1, 1, 2], frequency_penalty=0.5,
-                                      presence_penalty=0.25))
+    apply_penalties(logits, [row(prompt=[0], output=[1, 1, 2], frequency_penalty=0.5,
+                                 presence_penalty=0.25)])
     # Output counts only: token 1 twice, token 2 once; the prompt is not penalised.
     assert logits[0].tolist() == pytest.approx([1.0, -1.0 - 1.0 - 0.25, 2.0 - 0.5 - 0.25, 0.5, 0, 0, 0, 0])
 
@@ -134,3 +134,121 @@ def test_logit_bias_reaches_sampled_rows_and_keeps_raw_logprobs():
     assert tokens == [3]
     raw = torch.log_softmax(torch.tensor(logits[0]), dim=-1)
     assert lps[0].logprobs[0] == pytest.approx(float(raw[3]))   # as vLLM's raw_logprobs
+
+
+def test_seeded_sampling_over_positions_matches_the_softmax_distribution():
+    """One seed, its first 4,000 output positions: what decoding one request draws."""
+    logits = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 0.0, -2.0, 1.5])
+    n = 4000
+    rows = [SamplingRow(SamplingParams(temperature=1.0), 1234, np.zeros(1, dtype=np.int64),
+                        np.broadcast_to(np.int64(0), (k,)), None) for k in range(n)]
+    tokens, _ = Sampler(torch.device("cpu"))(logits.repeat(n, 1), rows)
+    counts = np.bincount(tokens, minlength=V)
+    expected = torch.softmax(logits, -1).numpy() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 24.3, (counts, expected)   # chi-square, 7 dof, p = 0.001
+
+
+def test_a_seeded_row_samples_the_same_whatever_its_batch_and_row():
+    """Each row alone, then all together in shuffled orders beside unseeded, greedy and
+    penalised company: the same tokens and the same logprobs."""
+    torch.manual_seed(0)
+    vocab = 300
+    logits = torch.randn(6, vocab) * 3
+    rows = [row(temperature=0.8, top_p=0.9, seed=1, output=[3, 4]),
+            row(temperature=1.0, top_k=20, seed=2, logprobs=3),
+            row(temperature=1.3, min_p=0.05, seed=3, output=[7] * 5, presence_penalty=0.5),
+            row(temperature=0, logprobs=1, prompt=[1, 2], repetition_penalty=1.2),
+            row(temperature=0.7, seed=5, output=[9], min_tokens=4, eos=int(logits[4].argmax())),
+            row(temperature=1.0, seed=6, logit_bias={10: 2.0}, frequency_penalty=0.3, output=[10])]
+    s = Sampler(torch.device("cpu"))
+    alone = [s(logits[i:i + 1].clone(), [rows[i]]) for i in range(len(rows))]
+    alone_tokens = [a[0][0] for a in alone]
+    alone_lps = [a[1][0] for a in alone]
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        order = rng.permutation(len(rows)).tolist()
+        tokens, lps = s(logits[order].clone(), [rows[i] for i in order])
+        assert tokens == [alone_tokens[i] for i in order]
+        assert lps == [alone_lps[i] for i in order]
+    # Moving the row to another output position moves its draw.
+    later = [s(logits[:1].clone(), [row(temperature=1.0, seed=1, output=[0] * k)])[0][0]
+             for k in range(30)]
+    assert len(set(later)) > 1
+
+
+def test_penalties_on_a_batch_equal_them_one_row_at_a_time():
+    torch.manual_seed(1)
+    vocab = 50
+    rows = [row(prompt=[1, 2, 3, 40], output=[5, 5, 6], repetition_penalty=1.5),
+            row(output=[7], frequency_penalty=0.7),
+            row(),   # no penalty: untouched
+            row(prompt=list(range(30)), output=[], repetition_penalty=0.8, presence_penalty=-0.4),
+            row(output=[1, 1, 1, 49, 2, 2], frequency_penalty=-1.0, presence_penalty=1.5)]
+    logits = torch.randn(len(rows), vocab)
+    batched = logits.clone()
+    apply_penalties(batched, rows)
+    for i, r in enumerate(rows):
+        one = logits[i:i + 1].clone()
+        apply_penalties(one, [r])
+        assert torch.equal(batched[i], one[0]), i
+    assert torch.equal(batched[2], logits[2])
+
+
+def test_min_tokens_bans_per_row_in_one_batch():
+    logits = torch.tensor([[0, 0, 9, 8, 1, 0, 0, 0]] * 3, dtype=torch.float32)
+    tokens, _ = Sampler(torch.device("cpu"))(logits, [
+        row(temperature=0, eos=2, min_tokens=2, stop_token_ids=[3], output=[5]),
+        row(temperature=0, eos=2, min_tokens=2, output=[5, 5]),           # reached
+        row(temperature=0, eos=2, min_tokens=3, ignore_eos=True, output=[])])
+    assert tokens == [4, 2, 2]
+
+
+def test_logprobs_of_a_batch_are_each_rows_own():
+    """Rows asking for none, zero, one or three top logprobs, greedy and sampled: each gets the
+    chosen token's raw logprob and rank, then its own top-n."""
+    torch.manual_seed(2)
+    logits = torch.randn(5, 40)
+    nums = [None, 0, 1, 3, 2]
+    rows = [row(temperature=0 if i % 2 else 1.0, seed=i, logprobs=n) for i, n in enumerate(nums)]
+    tokens, lps = Sampler(torch.device("cpu"))(logits.clone(), rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert lps[0] is None
+    for i in range(1, 5):
+        chosen, n = raw[i, tokens[i]], nums[i]
+        top = raw[i].topk(n) if n else None
+        assert lps[i].token_ids == [tokens[i]] + (top.indices.tolist() if n else [])
+        assert lps[i].logprobs == [float(chosen)] + (top.values.tolist() if n else [])
+        assert lps[i].rank == int((raw[i] > chosen).sum()) + 1
+
+
+def test_sample_keeps_its_results_on_the_device():
+    """`Sampler.sample` returns tensors; `__call__` is the same results as lists."""
+    logits = torch.randn(3, 20)
+    rows = [row(temperature=1.0, seed=4, logprobs=2), row(temperature=0),
+            row(temperature=0.5, seed=8)]
+    s = Sampler(torch.device("cpu"))
+    out = s.sample(logits.clone(), rows)
+    assert out.token_ids.dtype == torch.long and out.token_ids.shape == (3,)
+    assert out.logprobs is not None and out.logprob_rows == [0]
+    assert out.to_lists() == s(logits.clone(), rows)
+
+
+def test_greedy_rows_take_the_argmax_without_an_fp32_copy(monkeypatch):
+    logits = torch.randn(4, 64).to(torch.bfloat16)
+    expected = logits.float().argmax(dim=-1).tolist()
+
+    def no_copy(self, *args, **kwargs):
+        raise AssertionError("greedy rows widened to fp32")
+
+    monkeypatch.setattr(torch.Tensor, "float", no_copy)
+    assert Sampler(torch.device("cpu"))(logits, [row(temperature=0)] * 4)[0] == expected
+
+
+def test_prompt_logprobs_in_one_batch_equal_them_row_by_row():
+    torch.manual_seed(3)
+    lps = torch.log_softmax(torch.randn(7, 100) * 2, dim=-1)
+    targets = [3, 99, 0, 50, 50, 7, 12]
+    for num_top in (0, 1, 4):
+        assert logprobs_lists(lps, targets, num_top) == [
+            token_logprobs(lps[j], t, num_top) for j, t in enumerate(targets)]

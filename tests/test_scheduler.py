@@ -17,11 +17,12 @@ BS = 4
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, budget=64, chunked=True, policy="fcfs",
-                   max_model_len=256, caching=True) -> Scheduler:
+                   max_model_len=256, caching=True, window=None) -> Scheduler:
+    """`window`: every layer's sliding window (blocks behind it are given back)."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         scheduling_policy=policy, enable_chunked_prefill=chunked),
-        CacheConfig(block_size=BS, enable_prefix_caching=caching),
+        CacheConfig(block_size=BS, enable_prefix_caching=caching, sliding_window=window),
         num_blocks=num_blocks, max_model_len=max_model_len)
 
 

@@ -577,6 +577,7 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert grew("treadle:inter_token_latency_seconds_count") == 15
     assert grew("treadle:prefix_cache_queries_total") > 0
     for name in ("treadle:num_preemptions_total", "treadle:prefix_cache_hits_total",
+                 "treadle:window_freed_blocks_total",
                  "treadle:spec_decode_num_drafts_total", "treadle:spec_decode_num_accepted_tokens_total",
                  "treadle:num_requests_waiting"):
         assert (name, ()) in after, name

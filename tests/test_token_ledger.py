@@ -100,10 +100,16 @@ class KVOracle:
     `slots` is a dict, or a mapping over a real KV cache tensor (tests/test_kv_interleavings.py)
     that a real connector's worker side loads into and saves from; `worker` is then that
     connector's worker side, which lands the loads instead of the oracle.
+
+    With a sliding `window` (every layer's), a step reads only the keys in its first query's
+    window, and the tables' leading entries the scheduler gave back are the null block (0), as
+    in the workers: a block given back while a window still needs it reads the null block or
+    another request's KV, and fails. The null block is never written.
     """
 
-    def __init__(self, block_size: int, slots=None, worker=None) -> None:
+    def __init__(self, block_size: int, slots=None, worker=None, window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window
         self.tables: dict[str, list[int]] = {}          # the workers' block table per request
         self.slots = {} if slots is None else slots     # (block, offset) -> prefix key
         self.worker = worker
@@ -139,9 +145,11 @@ class KVOracle:
         for rid in so.async_kv_loads:
             self.load_gen[rid] = self.gen
         cached = so.scheduled_cached_reqs
-        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                             cached.num_computed_tokens):
+        for rid, blocks, num_computed, num_null in zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                cached.num_null_blocks, strict=True):
             self.tables[rid] += blocks
+            self.tables[rid][:num_null] = [0] * num_null
             start[rid] = num_computed
         keys: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
@@ -164,11 +172,13 @@ class KVOracle:
                         self.slots[(block, offset)] = keys[rid][i * self.block_size + offset]
         for rid, n in so.num_scheduled_tokens.items():
             for pos in range(start[rid], start[rid] + n):   # every write lands before any read
+                assert self._slot(rid, pos)[0] != 0, f"{rid} writes position {pos} to the null block"
                 self.slots[self._slot(rid, pos)] = POISON if rid in self.poisoned else keys[rid][pos]
         for rid, prefix in keys.items():
             if rid in self.poisoned:
                 continue   # it reads a block that never arrived: its steps are recovered from
-            for pos, key in enumerate(prefix):
+            first_read = 0 if self.window is None else max(0, start[rid] - self.window + 1)
+            for pos, key in enumerate(prefix[first_read:], start=first_read):
                 assert self.slots.get(self._slot(rid, pos)) == key, (
                     f"{rid} reads position {pos} from block {self._slot(rid, pos)[0]}, "
                     "which does not hold its KV" + (
@@ -255,7 +265,8 @@ class AsyncRunner:
         self.finish_reason: dict[str, str] = {}
         self.at_abort: dict[str, list[int]] = {}   # what had been delivered when it was aborted
         self.scheduled_tokens: dict[str, int] = defaultdict(int)
-        self.kv = KVOracle(sched.block_size, worker.slots if worker is not None else None, worker)
+        self.kv = KVOracle(sched.block_size, worker.slots if worker is not None else None, worker,
+                           sched.kv_cache.sliding_window)
         self.tokens_of_hash: dict[bytes, list[int]] = {}   # every block hash seen -> its tokens
         self.paused = False
         self.weight_updates = 0
@@ -723,15 +734,22 @@ def test_ledger_under_random_interleavings(num_blocks: int, depth: int, budget: 
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, budget=budget, policy=policy)
     runner = AsyncRunner(sched, random_drafts(random.Random(seed + 1)))
+    run_random_requests(runner, rng, num_blocks, num_events, depth, max_prompt=30, max_tokens=12)
+
+
+def run_random_requests(runner: AsyncRunner, rng: random.Random, num_blocks: int,
+                        num_events: int, depth: int, max_prompt: int, max_tokens: int) -> None:
+    """A few random requests, then `num_events` random events, new requests among them."""
     ids = RequestIds(runner, rng)
 
     def add() -> None:
-        max_tokens = rng.randint(1, 12)
+        capacity = (num_blocks - 1) * BS
+        output_len = rng.randint(1, min(max_tokens, capacity // 2))
         # Prompt and output must fit the cache together, or the request could never finish.
-        prompt_len = min(rng.randint(1, 30), (num_blocks - 1) * BS - max_tokens)
+        prompt_len = min(rng.randint(1, max_prompt), capacity - output_len)
         # Three first tokens: some prompts share prefixes, so resumes and new requests hit.
         ids.add(make_request(ids.next(), prompt_len, first_token=rng.choice((100, 100, 500)),
-                             max_tokens=max_tokens, priority=rng.randint(0, 5),
+                             max_tokens=output_len, priority=rng.randint(0, 5),
                              arrival=float(len(runner.requests))))
 
     for _ in range(rng.randint(1, 8)):

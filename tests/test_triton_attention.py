@@ -10,22 +10,18 @@ the kernels may have been defined for a GPU.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.fresh_python import in_fresh_python
 from treadle.attention.backend import BACKENDS, PagedAttention, check_attention_backend
 from treadle.attention.torch_backend import TorchBackend
 from treadle.attention.triton_backend import TritonBackend
 from treadle.config import EngineArgs
 
-ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 
@@ -132,6 +128,59 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
             "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens}
 
 
+def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
+                                device_name: str) -> dict:
+    """Greedy output with every decode step on worker/cuda_graphs.py's persistent buffers, its
+    batch padded to a captured size: replayed graphs on CUDA (captured by the engine itself),
+    the same buffers run eagerly on the CPU (a test's stand-in: no graph exists there). All
+    prompts at once (3 decodes padded to 4), then each alone (1)."""
+    from treadle import LLM, SamplingParams
+    from treadle.worker.cuda_graphs import DecodeGraphs
+
+    llm = LLM(path, device=device_name, attention_backend="triton", dtype="float32",
+              block_size=BLOCK_SIZE, max_num_seqs=8)
+    runner = llm.engine.core.executor.worker.runner
+    if device_name == "cpu":
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
+                                     runner.slots.block_table.shape[1], runner.device, capture=False)
+    graphs = runner.graphs
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+    return {"together": [o.outputs[0].token_ids for o in together],
+            "alone": [o.outputs[0].token_ids for o in alone],
+            "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs)}
+
+
+def run_connector_arrivals(path: str, store: str, stale: list[list[int]],
+                           arrivals: list[list[int]], max_tokens: int, device_name: str) -> dict:
+    """Invariant 3 on the triton backend: a consumer's slots first hold a finished batch (its
+    last tokens and drafts), then requests whose KV the shared-storage connector delivers
+    arrive with computed tokens and take those slots, n-gram drafts on."""
+    from tests.kv_fixtures import connector_of, kv_config
+    from treadle import LLM, SamplingParams
+
+    common = dict(device=device_name, attention_backend="triton", dtype="float32",
+                  block_size=BLOCK_SIZE, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(path, kv_transfer_config=kv_config(store, "kv_producer"), **common) as producer:
+        producer.generate([{"prompt_token_ids": p} for p in arrivals],
+                          SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3}
+    with LLM(path, kv_transfer_config=kv_config(store, "kv_consumer"), speculative_config=ngram,
+             **common) as consumer:
+        consumer.generate([{"prompt_token_ids": p} for p in stale], params, use_tqdm=False)
+        outs = consumer.generate([{"prompt_token_ids": p} for p in arrivals], params,
+                                 use_tqdm=False)
+        consumer.engine.core.scheduler.kv_cache.assert_no_leaks()
+        return {"tokens": [o.outputs[0].token_ids for o in outs],
+                "loaded_blocks": connector_of(consumer).num_loaded_blocks,
+                "cached": [o.num_cached_tokens for o in outs],
+                "drafts": consumer.engine.core.scheduler.spec_stats.num_draft_tokens}
+
+
 def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int) -> list[str]:
     """Compile every kernel for an H100/H200 (sm_90) without a GPU, as the launcher would for
     these shapes (it makes an integer argument equal to 1 a constant); the kernels' names."""
@@ -171,19 +220,7 @@ def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int) -> li
 
 
 def _in_fresh_python(calls: list[tuple[str, list]], interpret: bool) -> list:
-    """Run this module's functions `calls` ((name, args) pairs) in a fresh Python, under
-    Triton's interpreter or not, and return their results."""
-    code = ("import json, sys\n"
-            "import tests.test_triton_attention as m\n"
-            "calls = json.loads(sys.stdin.read())\n"
-            "print(json.dumps([getattr(m, name)(*args) for name, args in calls]))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(calls), cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return in_fresh_python("tests.test_triton_attention", calls, interpret)
 
 
 def _interpreted(calls: list[tuple[str, list]]) -> list:
@@ -268,15 +305,12 @@ def test_interpreted_kv_write_skips_padding_slots(interpreted_kernels):
 
 
 def _engine_prompts(path: str) -> tuple[list[list[int]], list[int]]:
-    from treadle.models.loader import load_tokenizer
-
-    tok = load_tokenizer(path)
-    story = tok.encode("Once upon a time, in a small village at the edge of a dark forest, there "
-                       "lived an old weaver who spent her days at the loom. Every morning she")
-    assert len(story) >= 2 * BLOCK_SIZE
-    prompts = [story, tok.encode("1, 2, 3, 4, 5,"), [11, 12, 13, 14, 15] * 5]
+    """Token ids, whatever the tokenizer (the GPU machines' tiny models have a word-level one)."""
+    gen = torch.Generator().manual_seed(3)
+    story = torch.randint(100, 30000, (2 * BLOCK_SIZE + 5,), generator=gen).tolist()
+    prompts = [story, list(range(500, 509)), [11, 12, 13, 14, 15] * 5]
     # Goes on from the story, whose first two blocks are then cached: a prefix hit of 32 tokens.
-    return prompts, story + tok.encode(" and then the wolf")
+    return prompts, story + [700, 701, 702, 703]
 
 
 def _check_engine(result: dict, path: str, prompts, follow_up, max_tokens: int, reference) -> None:
@@ -292,6 +326,36 @@ def test_the_engine_on_the_interpreter_matches_transformers(tiny_checkpoints, re
     prompts, follow_up = _engine_prompts(path)
     [result] = _interpreted([("run_engine", [path, prompts, follow_up, 10, "cpu"])])
     _check_engine(result, path, prompts, follow_up, 10, reference)
+
+
+def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, reference):
+    """The persistent buffers and padding of CUDA graphs, run eagerly under the interpreter."""
+    path = tiny_checkpoints["qwen3"]
+    prompts = _engine_prompts(path)[0]
+    [result] = _interpreted([("run_engine_on_graph_buffers", [path, prompts, 8, "cpu"])])
+    want = [reference(path).greedy(p, 8) for p in prompts]
+    assert result["together"] == want and result["alone"] == want
+    assert result["graph_steps"] >= 3 * 7   # the decode steps of the runs alone, at least
+
+
+def _arrival_prompts() -> tuple[list[list[int]], list[list[int]]]:
+    gen = torch.Generator().manual_seed(9)
+    stale = [[21, 22, 23, 24] * 6, torch.randint(100, 30000, (20,), generator=gen).tolist(),
+             [31, 32, 33] * 7]
+    arrivals = [torch.randint(100, 30000, (2 * BLOCK_SIZE + 3,), generator=gen).tolist(),
+                [41, 42, 43, 44, 45] * 8, torch.randint(100, 30000, (BLOCK_SIZE + 1,), generator=gen).tolist()]
+    return stale, arrivals
+
+
+def test_connector_arrivals_in_reused_slots_match_transformers(tiny_checkpoints, reference,
+                                                              tmp_path):
+    path = tiny_checkpoints["llama"]
+    stale, arrivals = _arrival_prompts()
+    [result] = _interpreted([("run_connector_arrivals",
+                              [path, str(tmp_path), stale, arrivals, 10, "cpu"])])
+    assert result["tokens"] == [reference(path).greedy(p, 10) for p in arrivals]
+    assert result["loaded_blocks"] >= 4 and all(c > 0 for c in result["cached"])
+    assert result["drafts"] > 0
 
 
 # -- compiled for a GPU, without one ------------------------------------------------------
@@ -319,6 +383,25 @@ def test_triton_matches_torch_on_cuda(case, dtype):
 @pytest.mark.gpu
 def test_kv_write_skips_padding_slots_on_cuda():
     assert write_kv_skips_padding("cuda")
+
+
+@pytest.mark.gpu
+def test_connector_arrivals_in_reused_slots_on_cuda(tiny_checkpoints, reference, tmp_path):
+    path = tiny_checkpoints["llama"]
+    stale, arrivals = _arrival_prompts()
+    result = run_connector_arrivals(path, str(tmp_path), stale, arrivals, 24, "cuda")
+    assert result["tokens"] == [reference(path).greedy(p, 24) for p in arrivals]
+    assert result["loaded_blocks"] >= 4 and all(c > 0 for c in result["cached"])
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graphs_match_transformers(tiny_checkpoints, reference):
+    path = tiny_checkpoints["qwen3"]
+    prompts = _engine_prompts(path)[0]
+    result = run_engine_on_graph_buffers(path, prompts, 24, "cuda")
+    want = [reference(path).greedy(p, 24) for p in prompts]
+    assert result["together"] == want and result["alone"] == want
+    assert result["captured"][:4] == [1, 2, 4, 8] and result["graph_steps"] >= 3 * 23
 
 
 @pytest.mark.gpu

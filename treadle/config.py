@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 import torch
 
+from treadle.validate import check_seconds
 from treadle.attention.backend import check_attention_backend
 from treadle.executor.registry import EXECUTORS
-from treadle.models.rope import longrope_original_len
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,13 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None          # explicit block count wins
     kv_cache_memory_bytes: int | None = None  # else a byte budget; else sized to the machine
+    # On a GPU, with neither of those: the share of the device's memory this engine may use,
+    # the KV cache being what a profile step leaves of it (worker/memory_profile.py).
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # The window when every attention layer has one (`every_layer_window`), else None: a
+    # request's blocks behind it are freed while it runs (core/kv_cache_manager.py).
+    sliding_window: int | None = None
 
     def bytes_per_block(self, model: ModelConfig) -> int:
         elem = torch.tensor([], dtype=model.dtype).element_size()
@@ -177,11 +183,8 @@ class StructuredOutputsConfig:
 
         config = cls(**_json_fields("structured_outputs_config", spec, cls))
         check_backend(config.backend)   # an unknown name: ValueError
-        timeout = config.compilation_timeout_s
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not 0 <= timeout < float("inf")):
-            raise ValueError(f"structured_outputs_config.compilation_timeout_s must be a number "
-                             f">= 0 (0: no limit), got {timeout!r}")
+        check_seconds("structured_outputs_config.compilation_timeout_s",
+                         config.compilation_timeout_s, zero_ok=True, zero_means="0: no limit")
         return config
 
 
@@ -204,11 +207,7 @@ class WeightTransferConfig:
         if config.backend not in WEIGHT_TRANSFER_BACKENDS:
             raise ValueError(f"weight_transfer_config.backend must be one of "
                              f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}; got {config.backend!r}")
-        timeout = config.timeout_s
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not 0 < timeout < float("inf")):
-            raise ValueError(f"weight_transfer_config.timeout_s must be a number of seconds > 0, "
-                             f"got {timeout!r}")
+        check_seconds("weight_transfer_config.timeout_s", config.timeout_s)
         return config
 
     def check_device(self, device: str) -> None:
@@ -262,6 +261,8 @@ class TreadleConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     attention_backend: str | None = None   # None: the best for the device (attention/backend.py)
+    # No CUDA graphs: every decode step launches its kernels from Python (worker/cuda_graphs.py).
+    enforce_eager: bool = False
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     weight_transfer: WeightTransferConfig | None = None
@@ -288,6 +289,7 @@ class EngineArgs:
     block_size: int | None = None   # None: 128 on CPU, 16 on GPU, as vLLM
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -302,6 +304,7 @@ class EngineArgs:
     seed: int = 0
     device: str | None = None
     attention_backend: str | None = None   # "cpu" | "torch" | "triton"; None: best for the device
+    enforce_eager: bool = False   # no CUDA graphs of decode steps
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
     # "uni" (in this process), "mp" (worker processes) or "ray"; None: uni at world size 1, else mp.
@@ -353,6 +356,9 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is the null block), got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None:
             _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             # Known before the weights load, so refused before: the engine checks it again
             # for a cache sized from a budget.
@@ -378,7 +384,9 @@ class EngineArgs:
                                 max_model_len_is_explicit=self.max_model_len is not None)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=self.num_kv_blocks,
                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                                enable_prefix_caching=self.enable_prefix_caching)
+                                gpu_memory_utilization=self.gpu_memory_utilization,
+                                enable_prefix_caching=self.enable_prefix_caching,
+                                sliding_window=every_layer_window(hf_config))
         sched_cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                     max_num_batched_tokens=max_batched,
                                     scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
@@ -387,9 +395,7 @@ class EngineArgs:
         spec_cfg = (SpeculativeConfig.from_dict(self.speculative_config)
                     if self.speculative_config is not None else None)
         parallel.check_model(model_cfg)
-        if device.startswith("cuda") and parallel.world_size > 1:
-            raise ValueError("more than one worker on CUDA is not built yet (no device per rank, "
-                             "and nothing of it ran on a GPU): use one worker")
+        _check_devices_per_rank(device, parallel)
         if spec_cfg is not None and parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported: drop speculative_config or use one stage")
@@ -398,6 +404,7 @@ class EngineArgs:
                     - start, path, str(dtype).removeprefix("torch."), max_model_len, device)
         return TreadleConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                              attention_backend=self.attention_backend,
+                             enforce_eager=self.enforce_eager,
                              speculative=spec_cfg, kv_transfer=kv_transfer, parallel=parallel,
                              structured_outputs=structured, weight_transfer=weight_transfer)
 
@@ -450,19 +457,6 @@ def _max_model_len(requested: int | None, hf_config: Any) -> int:
     """The user's max_model_len, or the model's own limit; past that limit only with
     TREADLE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
     model_max = getattr(hf_config, "max_position_embeddings", None)
-    longrope = longrope_original_len(hf_config)
-    if longrope is not None and (model_max or 0) > longrope:
-        # Past its original context a LongRoPE model recomputes the whole sequence with other
-        # factors (models/rope.py); until the engine does the same, it stops there.
-        if requested is not None and requested > longrope:
-            raise ValueError(
-                f"max_model_len ({requested}) is past the model's original context "
-                f"({longrope}), where LongRoPE switches factors, which treadle does not do yet; "
-                f"lower max_model_len to at most {longrope}")
-        if requested is None:
-            logger.warning("LongRoPE past the original context (%d) is not supported yet: "
-                           "max_model_len is capped at %d", longrope, longrope)
-        model_max = longrope
     if requested is None:
         return model_max or 2048
     _check_positive("max_model_len", requested)
@@ -489,6 +483,33 @@ def sliding_window(hf_config: Any) -> int | None:
     if layer_types is not None:
         return window if "sliding_attention" in layer_types else None
     return window if getattr(hf_config, "use_sliding_window", True) else None
+
+
+def every_layer_window(hf_config: Any) -> int | None:
+    """The sliding window when every attention layer has it (Mistral with a window, a Gemma
+    whose layer_types are all "sliding_attention"), else None. Only then can a KV block, shared
+    by all layers, fall out of every window; a model with any full-attention layer keeps its
+    whole sequence. Mirrors models/llama.py's `layer_window`."""
+    window = sliding_window(hf_config)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and any(t != "sliding_attention" for t in layer_types):
+        return None
+    return window
+
+
+def _check_devices_per_rank(device: str, parallel: ParallelConfig) -> None:
+    """On CUDA each worker has a GPU of its own: `mp` gives rank r this machine's GPU r (Ray
+    gives each actor one), so `mp` needs as many GPUs as ranks, and a fixed device index
+    cannot serve several."""
+    world = parallel.world_size
+    if not device.startswith("cuda") or world == 1:
+        return
+    if ":" in device:
+        raise ValueError(f"device {device!r} names one GPU, but {world} workers each need their "
+                         "own: use device='cuda'")
+    if parallel.distributed_executor_backend == "mp" and torch.cuda.device_count() < world:
+        raise ValueError(f"{world} workers (pipeline_parallel_size x tensor_parallel_size) need "
+                         f"{world} GPUs, one each; this machine has {torch.cuda.device_count()}")
 
 
 def _check_device(device: str) -> None:
@@ -565,9 +586,20 @@ CPU_KV_CACHE_MAX_BYTES = 1 << 30
 CPU_KV_CACHE_MEMORY_FRACTION = 0.25
 
 
-def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None) -> int:
+def kv_cache_sized_by_profile(config: TreadleConfig) -> bool:
+    """Whether the KV cache is what a profile step leaves of gpu_memory_utilization (on a
+    GPU, with neither num_kv_blocks nor kv_cache_memory_bytes given)."""
+    cache = config.cache
+    return (config.device.startswith("cuda") and cache.num_kv_blocks is None
+            and cache.kv_cache_memory_bytes is None)
+
+
+def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None,
+                           profiled_kv_bytes: int | None = None) -> int:
     """How many KV blocks to allocate: explicit count, byte budget, or sized to the machine.
     `per_block`: bytes of one block on this worker (its layers and KV heads); else the model's.
+    `profiled_kv_bytes`: on a GPU, what the worker's profile left for the KV cache
+    (`kv_cache_sized_by_profile`).
 
     On CPU the default is what `max_num_seqs` requests of `max_model_len` tokens can use, and no
     more, bounded by a quarter of the available memory and by 1 GiB (shared by the workers).
@@ -580,8 +612,9 @@ def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None) 
         num_blocks = cache.kv_cache_memory_bytes // per_block
         reason = f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
     elif config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        num_blocks, reason = int(free * 0.8) // per_block, "80% of free GPU memory"
+        assert profiled_kv_bytes is not None, "a GPU's KV cache is sized by a profile step"
+        num_blocks = profiled_kv_bytes // per_block
+        reason = f"gpu_memory_utilization {cache.gpu_memory_utilization}, after a profile step"
     else:
         num_blocks, reason = _default_cpu_blocks(config, per_block)
     if num_blocks < 2:

@@ -68,6 +68,9 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily("treadle:prefix_cache_hits", "Prompt tokens found cached",
                                   value=s.prefix_cache_hits)
         yield CounterMetricFamily("treadle:num_preemptions", "Preemptions", value=s.num_preemptions)
+        yield CounterMetricFamily("treadle:window_freed_blocks",
+                                  "KV blocks given back from behind every sliding window",
+                                  value=s.num_window_freed_blocks)
         spec = s.spec_decoding
         yield CounterMetricFamily("treadle:spec_decode_num_drafts", "Steps verifying drafts",
                                   value=spec.num_drafts)

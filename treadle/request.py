@@ -108,6 +108,10 @@ class Request:
         self.kv_transfer_params: dict | None = (sampling_params.extra_args or {}).get(
             "kv_transfer_params")
 
+        # Whether its KV takes LongRoPE's long factors (models/rope.py): set by the scheduler
+        # when it starts, or restarts, past the model's original context; never unset.
+        self.long_rope = False
+
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
@@ -139,13 +143,22 @@ class Request:
         self.all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
+    def use_long_rope(self) -> None:
+        """From now on its KV is computed with LongRoPE's long factors: its blocks' keys change,
+        so no block computed with the short ones is ever taken for one of its own."""
+        assert self.num_computed_tokens == 0, "only a request with nothing computed changes RoPE"
+        self.long_rope = True
+        self.block_hashes = []
+        self._update_block_hashes()
+
     # -- prefix-cache keys -----------------------------------------------------
     def _update_block_hashes(self) -> None:
         bs = self._block_size
         start = len(self.block_hashes)
+        first_keys = tuple(k for k in (self.cache_salt, "long_rope" if self.long_rope else None) if k)
         for i in range(start, self.num_tokens // bs):
             parent = self.block_hashes[i - 1] if i > 0 else None
             # The salt goes into the first block only; chaining carries it to the rest.
-            extra = (self.cache_salt,) if i == 0 and self.cache_salt else ()
+            extra = first_keys if i == 0 else ()
             self.block_hashes.append(hash_block(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs]), extra))
 

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from tests.tiny_models import word_level_tokenizer  # noqa: E402
 from treadle import LLM, SamplingParams  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -50,7 +51,6 @@ def build_model(arch: str, shape: dict[str, Any], folder: str, dtype: torch.dtyp
     Norms and the head's rows are spread as tests/tiny_models.py does, so greedy argmax does
     not flip on float noise."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = getattr(transformers, f"{arch}Config")(**shape, bos_token_id=1, eos_token_id=2,
                                                      initializer_range=0.2)
@@ -63,11 +63,7 @@ def build_model(arch: str, shape: dict[str, Any], folder: str, dtype: torch.dtyp
         head = model.get_output_embeddings().weight
         head.mul_(torch.exp(0.5 * torch.randn(head.shape[0], 1)))
     model.to(dtype).save_pretrained(folder)
-    vocab = {f"w{i}": i for i in range(shape["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2",
-                                         unk_token="w0").save_pretrained(folder)
+    word_level_tokenizer(shape["vocab_size"]).save_pretrained(folder)
     return folder
 
 
@@ -111,7 +107,7 @@ def exactness(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     results = {}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for name, args in variants.items():
-        with LLM(path, device=ns.device, dtype="float32", block_size=16, **args) as llm:
+        with LLM(path, device=ns.device, dtype="float32", block_size=16, **(ns.engine | args)) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             again = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
             got = [list(o.outputs[0].token_ids) for o in outs]
@@ -186,26 +182,35 @@ def latency(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
         build_model("Qwen3", shape, path, torch.bfloat16)
     prompt = random_prompts(1, (128, 128), shape["vocab_size"], seed=4)[0]
     out_tokens = 32 if ns.small else 256
-    with LLM(path, device=ns.device, dtype="bfloat16", **ns.engine) as llm:
-        weight_bytes = sum(p.numel() * p.element_size() for p in
-                           llm.engine.core.executor.worker.runner.model.parameters())
-        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        full = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)   # warm-up
-        ttft, total = [], []
-        for _ in range(3):
-            start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
-            ttft.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)
-            total.append(time.perf_counter() - start)
-    tpot = (statistics.median(total) - statistics.median(ttft)) / (out_tokens - 1)
+    result: dict[str, Any] = {}
+    # On the triton backend decode steps replay CUDA graphs; the eager run shows what they save.
+    variants = {"default": ns.engine}
+    if ns.engine.get("attention_backend") == "triton":
+        variants["eager"] = ns.engine | {"enforce_eager": True}
+    for name, engine in variants.items():
+        with LLM(path, device=ns.device, dtype="bfloat16", max_num_seqs=16, **engine) as llm:
+            runner = llm.engine.core.executor.worker.runner
+            weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+            first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            full = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)   # warm-up
+            ttft, total = [], []
+            for _ in range(3):
+                start = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
+                ttft.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)
+                total.append(time.perf_counter() - start)
+            graphs = runner.graphs is not None and bool(runner.graphs.graphs)
+        tpot = (statistics.median(total) - statistics.median(ttft)) / (out_tokens - 1)
+        result[name] = {"ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * tpot,
+                        "cuda_graphs": graphs}
     bandwidth = copy_bandwidth(ns.device, 256 << 20 if ns.small else 2 << 30)
     floor = weight_bytes / bandwidth
-    return {"ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * tpot,
-            "weight_bytes": weight_bytes, "copy_GB_s": bandwidth / 1e9, "floor_ms": 1e3 * floor,
-            "tpot_over_floor": tpot / floor}
+    result.update({"weight_bytes": weight_bytes, "copy_GB_s": bandwidth / 1e9,
+                   "floor_ms": 1e3 * floor, "tpot_over_floor": result["default"]["tpot_ms"] / 1e3 / floor})
+    return result
 
 
 def profile(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
@@ -282,8 +287,11 @@ def main() -> int:
                        f"{part['transformers_output_tok_s']:.0f} on {part['transformers_subset_requests']} "
                        f"requests; {part['ratio']:.2f}x")
         elif name == "latency":
-            summary = (f"TPOT {part['tpot_ms']:.2f} ms, floor {part['floor_ms']:.2f} ms "
-                       f"({part['tpot_over_floor']:.2f}x), TTFT {part['ttft_ms']:.1f} ms")
+            summary = (f"TPOT {part['default']['tpot_ms']:.2f} ms (graphs: "
+                       f"{part['default']['cuda_graphs']}), floor {part['floor_ms']:.2f} ms "
+                       f"({part['tpot_over_floor']:.2f}x), TTFT {part['default']['ttft_ms']:.1f} ms")
+            if "eager" in part:
+                summary += f"; eager TPOT {part['eager']['tpot_ms']:.2f} ms"
         else:
             summary = "; ".join(f"{k}: wall {v['wall_s']:.2f}s, device busy {v['device_busy_s']:.2f}s"
                                 for k, v in part.items() if k != "part_s")

@@ -8,7 +8,9 @@ fault per page on its first write (about 1 GB/s on these VMs: 13 ms of a 288-tok
 prompt; docs/performance-log.md).
 
 Invariants (checked by `check_invariants`, used by tests):
-  - a block is in the free queue iff its ref_cnt is 0 (the null block is never in it);
+  - a block is in the free queue iff its ref_cnt is 0 (the null block is never in it, never
+    handed out and never freed; a request's block list holds it in place of blocks it gave
+    back behind a sliding window: core/kv_cache_manager.py);
   - a block has a hash iff the index maps that hash to it;
   - eviction is lazy: a freed block keeps its hash until it is handed out again.
 """
@@ -130,6 +132,7 @@ class BlockPool:
         """Drop one reference each; blocks reaching zero join the free queue in the given order:
         cached ones at its tail (evicted last), the others at its head (handed out next)."""
         for block in ordered_blocks:
+            assert block is not self.null_block, "the null block is never freed"
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:

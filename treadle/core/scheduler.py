@@ -37,8 +37,13 @@ class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, seed: int = 0,
                  connector: KVConnectorBase | None = None,
-                 kv_load_failure_policy: str = "recompute") -> None:
+                 kv_load_failure_policy: str = "recompute",
+                 long_rope_after: int | None = None) -> None:
         self.config = sched_config
+        # LongRoPE (models/rope.py): a request longer than this takes the long factors for all
+        # its tokens. One that grows past it is restarted and recomputed with them (as
+        # transformers does); until then no position from here on is computed for it.
+        self.long_rope_after = long_rope_after
         self.connector = connector   # its scheduler side, when KV crosses the engine's boundary
         self.kv_load_failure_policy = kv_load_failure_policy
         # Asynchronous KV loads going on, per request (as in SchedulerOutput.kv_loads), and
@@ -54,8 +59,11 @@ class Scheduler:
         self.loaded: list[Request] = []
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
+        # Blocks behind every layer's sliding window are given back while a request runs,
+        # unless a connector may still save or send the request's whole KV.
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
-                                       cache_config.enable_prefix_caching)
+                                       cache_config.enable_prefix_caching,
+                                       cache_config.sliding_window if connector is None else None)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(sched_config.scheduling_policy)
         self.running: list[Request] = []
@@ -76,6 +84,7 @@ class Scheduler:
             seed if seed is not None else self._seed_rng.getrandbits(62))
         self.requests[request.request_id] = request
         request.tenancy = next(self._tenancies)
+        self._choose_rope(request)
         self.waiting.add(request)
 
     def check_request(self, request: Request) -> None:
@@ -172,6 +181,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._grew_past_short_rope(request):
+                self._restart(request)   # running[i] is now the next one
+                continue
             num_new, drafts = self._num_new_tokens(request, budget)
             if num_new <= 0:
                 i += 1
@@ -227,7 +239,8 @@ class Scheduler:
                 num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
                 block_ids=self.kv_cache.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
-                generator_seed=self._generator_seeds[r.request_id], eos_token_id=r.eos_token_id)
+                generator_seed=self._generator_seeds[r.request_id], eos_token_id=r.eos_token_id,
+                long_rope=r.long_rope)
             for r in scheduled_new
         ]
         cached = CachedRequestData()
@@ -235,6 +248,7 @@ class Scheduler:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append(new_blocks_of[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.num_null_blocks.append(self.kv_cache.num_null_blocks(r.request_id))
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
@@ -290,11 +304,18 @@ class Scheduler:
                 or request.num_tokens + in_flight >= self.max_model_len):
             return 0, []   # what is in flight already reaches the limit
         num_new = min(request.num_tokens + in_flight - request.num_computed_tokens, budget)
+        short_rope_room = self.max_model_len
+        if self.long_rope_after is not None and not request.long_rope:
+            # Positions from long_rope_after on are computed only with the long factors.
+            short_rope_room = self.long_rope_after - request.num_computed_tokens
+            num_new = min(num_new, short_rope_room)
+            if num_new <= 0:
+                return 0, []
         drafts: list[int] = []
         if request.spec_token_ids and num_new == 1:
             # Room for 1 + k outputs: never propose past max_tokens or max_model_len.
             room = min(request.max_tokens - request.num_output_tokens,
-                       self.max_model_len - request.num_tokens, budget) - 1
+                       self.max_model_len - request.num_tokens, budget, short_rope_room) - 1
             drafts = request.spec_token_ids[:max(room, 0)]
         return num_new + len(drafts), drafts
 
@@ -307,6 +328,13 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free the request's blocks and put it back at the front of the queue; what it has in
         flight becomes stale, and it resumes by recompute (from its prefix-cache hits)."""
+        self._restart(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        logger.debug("preempted %s", request.request_id)
+
+    def _restart(self, request: Request) -> None:
+        """Take a running request back to the front of the queue with nothing computed."""
         self.running.remove(request)
         self.kv_cache.free(request)
         self._finished_ids.add(request.request_id)   # the workers drop its slot
@@ -317,11 +345,24 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.num_in_flight_drafts = 0
         request.spec_token_ids = []
-        request.num_preemptions += 1
         request.tenancy = next(self._tenancies)
-        self.num_preemptions += 1
+        self._choose_rope(request)
         self.waiting.add(request, front=True)
-        logger.debug("preempted %s", request.request_id)
+
+    def _choose_rope(self, request: Request) -> None:
+        """A request with nothing computed takes LongRoPE's long factors once it is longer
+        than the original context (see `long_rope_after`)."""
+        if (self.long_rope_after is not None and not request.long_rope
+                and request.num_tokens > self.long_rope_after):
+            request.use_long_rope()
+
+    def _grew_past_short_rope(self, request: Request) -> bool:
+        """Whether a running request computed with the short factors now holds a token past
+        the original context, with nothing of it in flight: all it computed is recomputed
+        with the long ones. (Its last short step is waited for: the token it samples is the
+        short factors' answer, as in transformers.)"""
+        return (self.long_rope_after is not None and not request.long_rope
+                and request.num_tokens > self.long_rope_after and not request.num_in_flight_steps)
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -456,6 +497,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting) + len(self.loaded) + len(self.loading),
             kv_cache_usage=kv.pool.usage(), prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits, num_preemptions=self.num_preemptions,
+            num_window_freed_blocks=kv.num_window_freed_blocks,
             spec_decoding=dataclasses.replace(self.spec_stats,
                                               accepted_per_position=list(self.spec_stats.accepted_per_position)),
             kv_tiers=self.connector.get_stats() if self.connector is not None else [])

@@ -17,10 +17,11 @@ class NewRequestData:
     token_ids: list[int]          # prompt + any output already generated
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]          # 0 (the null block) for blocks given back behind the window
     num_computed_tokens: int      # before this step (prefix hits included)
     generator_seed: int           # per-request RNG seed; the same sample whatever the batch
     eos_token_id: int | None = None
+    long_rope: bool = False       # its RoPE takes LongRoPE's long factors (Request.long_rope)
 
 
 @dataclass
@@ -30,6 +31,10 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+    # How many leading blocks each request has given back behind the sliding window (its
+    # table's first entries, now the null block's): the workers point them at the null block
+    # before the step runs, as another request may write those blocks in it.
+    num_null_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -59,4 +59,6 @@ class SchedulerStats:
     prefix_cache_hits: int         # of those, found in the cache
     num_preemptions: int
     spec_decoding: SpecDecodingStats
+    # Blocks given back from behind every layer's sliding window while their requests ran.
+    num_window_freed_blocks: int = 0
     kv_tiers: list[KVTierStats] = field(default_factory=list)   # one per KV connector store

@@ -27,6 +27,8 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from treadle.validate import check_seconds
+
 logger = logging.getLogger(__name__)
 
 # The dtypes a weight may travel in; it is cast to the model's dtype when applied.
@@ -73,9 +75,8 @@ class InitInfo:
         if not _is_int(info.world_size) or info.world_size < 2:
             raise ValueError(f"init_info.world_size must be an integer >= 2, got "
                              f"{info.world_size!r}")
-        if info.timeout is not None and not _is_positive_number(info.timeout):
-            raise ValueError(f"init_info.timeout must be a number of seconds > 0, got "
-                             f"{info.timeout!r}")
+        if info.timeout is not None:
+            check_seconds("init_info.timeout", info.timeout)
         return info
 
 
@@ -249,8 +250,3 @@ def _fields_of(what: str, value: Any, cls: type) -> dict[str, Any]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_positive_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 0 < value < float("inf"))

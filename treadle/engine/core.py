@@ -28,6 +28,7 @@ from treadle.executor.base import WorkerFailedError
 from treadle.executor.factory import create_executor
 from treadle.kv_transfer import KVConnectorRole, create_connector
 from treadle.models.loader import resolve_model
+from treadle.models.rope import long_rope_after
 from treadle.request import Request, RequestStatus
 from treadle.structured_output.gate import GrammarGate
 from treadle.structured_output.registry import get_backend
@@ -63,7 +64,8 @@ class EngineCore:
             config.scheduler, cache, num_blocks, model.max_model_len, seed=model.seed,
             connector=self.connector,
             kv_load_failure_policy=config.kv_transfer.kv_load_failure_policy
-            if config.kv_transfer is not None else "recompute")
+            if config.kv_transfer is not None else "recompute",
+            long_rope_after=long_rope_after(model.hf_config, model.max_model_len))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency %.1fx at %d tokens",
                     num_blocks, cache.block_size,
                     num_blocks * cache.bytes_per_block(model) / 2**20,

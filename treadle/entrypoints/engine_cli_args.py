@@ -23,6 +23,8 @@ _ENGINE_HELP = {
     "kv_cache_memory_bytes": "KV-cache budget in bytes (default on CPU: what max_num_seqs "
                              "sequences of max_model_len tokens use, at most 1 GiB and a quarter "
                              "of the available memory)",
+    "gpu_memory_utilization": "share of the GPU's memory the engine may use, the KV cache taking "
+                              "what the weights and a profile step leave (CUDA)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "scheduling_policy": "fcfs | priority",
@@ -49,13 +51,16 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
         default = getattr(defaults, name)
         kind = (str if name in ("revision", "download_dir", "dtype", "quantization",
                                 "scheduling_policy", "device",
-                                "attention_backend", "distributed_executor_backend") else int)
+                                "attention_backend", "distributed_executor_backend")
+                else float if name == "gpu_memory_utilization" else int)
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                            help=f"{text} [default: {default}]")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", help="turn prefix caching off")
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="turn chunked prefill off")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs: every decode step launches its kernels from Python")
     group.add_argument("--async-scheduling", action="store_true",
                        help="schedule the next step while the current one runs")
     group.add_argument("--speculative-config", default=None, metavar="JSON",

@@ -96,9 +96,14 @@ def worker_main(rank: int, config: TreadleConfig, address: str, store_port: int,
 
 
 def _start(rank: int, config: TreadleConfig, store_port: int):
+    import torch
+
     from treadle.distributed.parallel_state import init_parallel
     from treadle.worker.worker import Worker
 
+    if config.device.startswith("cuda"):
+        # A GPU per rank: "cuda" is then this one (config.py checked there are enough).
+        torch.cuda.set_device(rank)
     ctx = init_parallel(config.parallel, rank, "127.0.0.1", store_port, config.device)
     worker = Worker(config, ctx)
     worker.load_model()

@@ -62,9 +62,13 @@ class UniProcExecutor(Executor):
         return [self._on_worker_thread(fn, *args, **kwargs)]
 
     def _close(self, graceful: bool) -> None:
-        """Steps already submitted finish first: the worker cannot be killed, only left."""
+        """Steps already submitted finish first: the worker cannot be killed, only left. Its KV
+        cache goes at once, even while the LLM object lives on (`with LLM(...) as llm` keeps
+        it): on a GPU, the next engine in this process sizes its own against free memory."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+        if hasattr(self, "worker"):   # absent when building it failed
+            self.worker.release_kv_cache()
 
 
 def _build_worker(config: TreadleConfig) -> Worker:

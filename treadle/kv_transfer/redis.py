@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from treadle.validate import check_seconds
 from treadle.kv_transfer.base import KVConnectorRole
 from treadle.kv_transfer.block_store import (BlockStoreConnector, BlockStoreMetadata,
                                              BlockTransfer, decode_block, encode_block)
@@ -89,11 +90,7 @@ class RedisOptions:
             value = extra.get(key, default)
             if value is None and default is None:
                 return None   # optional, not given
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not 0 <= value < float("inf") or (value == 0 and not zero_ok)):
-                raise ValueError(f"{name}.{key} must be a number of seconds "
-                                 f"{'>= 0' if zero_ok else '> 0'}, got {value!r}")
-            return float(value)
+            return check_seconds(f"{name}.{key}", value, zero_ok)
 
         pending = extra.get("max_pending_saves", cls.max_pending_saves)
         if isinstance(pending, bool) or not isinstance(pending, int) or pending < 1:

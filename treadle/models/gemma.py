@@ -29,12 +29,17 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 class GemmaRMSNorm(nn.Module):
+    use_triton = False   # the Triton kernel (models/triton_ops.py), set by use_triton_ops
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from treadle.models import triton_ops
+            return triton_ops.rms_norm(x, self.weight, self.eps, unit_offset=True)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)
@@ -44,6 +49,9 @@ class GemmaMLP(MLP):
     """Llama's fused gate/up with gelu (tanh) in place of SiLU; no fused C++ op for it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from treadle.models import triton_ops
+            return self.down_proj(triton_ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
 
@@ -90,6 +98,7 @@ class GemmaRotary(nn.Module):
         self.local = (RotaryEmbedding(local, head_dim, max_positions)
                       if local is not config else None)
         self.head_dim, self.dim = self.rotary.head_dim, self.rotary.dim
+        self.long_rope_offset = 0   # as RotaryEmbedding's: Gemma has no LongRoPE
 
     def compute_tables(self) -> None:
         self.rotary.compute_tables()

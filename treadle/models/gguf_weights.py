@@ -69,7 +69,7 @@ def read(model: nn.Module, path: str) -> dict[str, GgufWeight]:
     from the embedding. Weights of other stages or types are left out."""
     params = dict(model.named_parameters())
     parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-    for name, tensor, heads in gguf_tensors(path, model.config):
+    for name, tensor, heads, _shift in gguf_tensors(path, model.config):
         ggml_type = int(tensor.tensor_type)
         if ggml_type not in BLOCK_BYTES or not name.endswith(".weight") or len(tensor.shape) != 2:
             continue

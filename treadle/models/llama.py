@@ -33,6 +33,7 @@ _FUSED_PART = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(wei
 
 class RMSNorm(nn.Module):
     native = False   # the fused C++ op (treadle/kernels), set by use_cpu_kernels
+    use_triton = False   # the Triton kernels (models/triton_ops.py), set by use_triton_ops
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -40,6 +41,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from treadle.models import triton_ops
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         if self.native:
             return torch.ops.treadle.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -49,6 +53,10 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, this norm of it): the residual add before a norm, in one pass natively."""
+        if self.use_triton:   # in place: x and residual are the layer's own, not used after
+            from treadle.models import triton_ops
+            x, h = triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return h, x
         if self.native:
             return torch.ops.treadle.add_rms_norm(x, residual, self.weight, self.eps)
         h = x + residual
@@ -57,6 +65,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     native = False   # RoPE in place by the fused C++ op
+    use_triton = False   # RoPE on q and k in place by one Triton kernel
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  ctx: ParallelContext, sliding_window: int | None = None) -> None:
@@ -81,6 +90,14 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.use_triton:
+            from treadle.models import triton_ops
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            triton_ops.rope_(q, k, cos, sin)
+            return self.o_proj(self.attn(q, k, v, kv_cache, meta))
         # The fused op rotates whole heads: a partly rotary head takes the Python path.
         rope = self._rope_in_place if self.native and cos.shape[-1] == self.head_dim else apply_rope
         if self.q_norm is None:
@@ -102,6 +119,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     native = False   # SiLU-and-mul by the fused C++ op
+    use_triton = False   # SiLU-and-mul by a Triton kernel
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ctx: ParallelContext,
                  reduce: bool = True) -> None:
@@ -115,6 +133,9 @@ class MLP(nn.Module):
                           else Linear(self.intermediate, hidden_size, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from treadle.models import triton_ops
+            return self.down_proj(triton_ops.silu_and_mul(self.gate_up_proj(x)))
         if self.native:
             return self.down_proj(torch.ops.treadle.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -339,6 +360,13 @@ class LlamaForCausalLM(nn.Module):
         self.native_head = True
         if self.is_packed:
             self.pack_weights()
+
+    def use_triton_ops(self) -> None:
+        """Run the norms, the residual adds, RoPE and the activation through the Triton kernels
+        (models/triton_ops.py): the path of attention_backend 'triton'."""
+        for module in self.modules():
+            if hasattr(module, "use_triton"):
+                module.use_triton = True
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)

@@ -5,8 +5,10 @@ a rotary part of each head smaller than the head (`partial_rotary_factor`, Phi-4
 LongRoPE (Phi-3) scales the frequencies by one factor list (short) while a sequence fits the
 model's original context, and by another (long) once it is longer, and cos/sin by one attention
 factor throughout. transformers recomputes a sequence's whole cache with the long factors when
-it first grows past that context. Until the engine can recompute a request that way, config.py
-caps max_model_len at the original context, so only the short factors are used here.
+it first grows past that context, and so does the engine: a request is short or long for all
+its tokens (`Request.long_rope`; the scheduler restarts it when it crosses). Where max_model_len
+goes past the original context, the tables hold the long rows after the short ones, and a long
+request's tokens read them at `position + long_rope_offset`.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ def rotary_dim(config, head_dim: int) -> int:
     return int(head_dim * factor)
 
 
-def rope_inv_freq(config, dim: int) -> torch.Tensor:
-    """The inverse frequencies over `dim` rotary features."""
+def rope_inv_freq(config, dim: int, long: bool = False) -> torch.Tensor:
+    """The inverse frequencies over `dim` rotary features (LongRoPE's long ones if `long`)."""
     params = rope_parameters(config)
     base = float(params["rope_theta"])
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = params["rope_type"]
     if rope_type == "longrope":
-        factors = torch.tensor(params["short_factor"], dtype=torch.float32)
+        factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * base ** exponents)
     inv_freq = 1.0 / (base ** exponents)
     if rope_type == "default":
@@ -76,6 +78,14 @@ def longrope_original_len(config) -> int | None:
                or config.max_position_embeddings)
 
 
+def long_rope_after(config, max_model_len: int) -> int | None:
+    """The length past which a request's tokens all take LongRoPE's long factors, where
+    max_model_len reaches past it; None where no request can (every other scheme, or a
+    max_model_len within the original context)."""
+    original = longrope_original_len(config)
+    return original if original is not None and max_model_len > original else None
+
+
 def _attention_factor(config) -> float:
     """longrope's scale of cos and sin (1 for every other scheme)."""
     params = rope_parameters(config)
@@ -89,22 +99,33 @@ def _attention_factor(config) -> float:
 
 
 class RotaryEmbedding(nn.Module):
+    """fp32 cos/sin tables by position. With LongRoPE past the original context, rows
+    [max_positions, 2 * max_positions) hold the long factors' tables (`long_rope_offset`)."""
+
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.config, self.head_dim = config, head_dim
         self.dim = rotary_dim(config, head_dim)
-        self.register_buffer("cos", torch.empty(max_positions, self.dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, self.dim), persistent=False)
+        self.max_positions = max_positions
+        has_long = long_rope_after(config, max_positions) is not None
+        self.long_rope_offset = max_positions if has_long else 0
+        rows = 2 * max_positions if has_long else max_positions
+        self.register_buffer("cos", torch.empty(rows, self.dim), persistent=False)
+        self.register_buffer("sin", torch.empty(rows, self.dim), persistent=False)
         self.compute_tables()
 
     def compute_tables(self) -> None:
         """Fill the fp32 cos/sin tables; again after the model was built on the meta device."""
         device = self.cos.device
-        positions = torch.arange(self.cos.shape[0], dtype=torch.float32, device=device)
-        inv_freq = rope_inv_freq(self.config, self.dim).to(device)
-        emb = torch.cat((positions[:, None] * inv_freq[None, :],) * 2, dim=-1)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        variants = (False, True) if self.long_rope_offset else (False,)
+        emb = torch.cat([self._angles(positions, long) for long in variants])
         scale = _attention_factor(self.config)
         self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
+
+    def _angles(self, positions: torch.Tensor, long: bool) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.config, self.dim, long).to(positions.device)
+        return torch.cat((positions[:, None] * inv_freq[None, :],) * 2, dim=-1)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, D]: broadcast over heads.

@@ -20,6 +20,8 @@ class WorkerDevice:
         self.device = device
         # Whether the C++ kernels (treadle/kernels) serve the model's GEMMs, norms and attention.
         self.native_kernels = False
+        # Whether decode steps can be captured as CUDA graphs (worker/cuda_graphs.py).
+        self.captures_graphs = False
 
     def empty(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
         """Uninitialised memory for each (shape, dtype): the parameters, before a load fills them."""
@@ -80,6 +82,10 @@ class CpuDevice(WorkerDevice):
 
 
 class CudaDevice(WorkerDevice):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.captures_graphs = True
+
     def release_cached_memory(self) -> None:
         torch.cuda.empty_cache()
 

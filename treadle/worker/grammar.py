@@ -116,11 +116,14 @@ class GrammarMatchers:
         return drafts[:matcher.valid_prefix(drafts)]
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set the logits of tokens a row's mask forbids to -inf, in place (bit t: token t allowed)."""
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().flatten(1)[:, :logits.shape[-1]]
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    """Set the logits of tokens a row's mask forbids to -inf, in place (bit t: token t allowed).
+
+    The mask travels to the logits' device packed, 32 tokens to an int32 word (a 32nd of the
+    unpacked size), and is unpacked there."""
+    device = logits.device
+    packed = bitmask.to(device, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((packed[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))

@@ -18,6 +18,7 @@ from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_conne
 from treadle.models import linear
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
+from treadle.worker.cuda_graphs import DecodeGraphs
 from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.device import worker_device
 from treadle.worker.request_state import RequestSlots
@@ -26,6 +27,9 @@ from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
 from treadle.worker.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
+
+# The largest decode batch with a CUDA graph of its own (vLLM's default too); larger ones run eagerly.
+MAX_GRAPH_BATCH = 256
 
 
 class ModelRunner:
@@ -50,6 +54,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.attention = create_attention_backend(config.attention_backend, self.device, self.block_size)
         self.slots: RequestSlots | None = None
+        self.graphs: DecodeGraphs | None = None   # decode steps' CUDA graphs, where they serve
         self.grammars: GrammarMatchers | None = None   # where this rank samples
         self.sampler = Sampler(self.device)
         spec = config.speculative
@@ -79,10 +84,15 @@ class ModelRunner:
                     time.perf_counter() - start)
         # RoPE tables are computed, not loaded, and stay fp32, as in transformers.
         self.model.model.rotary.compute_tables()
+        # LongRoPE past the original context: a long request's tokens read the long factors'
+        # tables, this many rows on (models/rope.py).
+        self.long_rope_offset = self.model.model.rotary.long_rope_offset
         self.model.quantization = cfg.quantization
         self.model.gguf_file = cfg.gguf_file
         if self.native_kernels:
             self.model.use_cpu_kernels()
+        if self.attention.name == "triton":   # its ops take over the norms, RoPE, activation
+            self.model.use_triton_ops()
         self.model.pack_weights()
         if self.model.is_packed:
             warm = time.perf_counter()
@@ -108,6 +118,31 @@ class ModelRunner:
         if self.ctx.is_last_stage:
             self.grammars = GrammarMatchers(self.config, self.slots)
 
+    def capture_decode_graphs(self) -> None:
+        """CUDA graphs of decode steps (worker/cuda_graphs.py), where they can serve: on a GPU,
+        on the triton backend, with one worker, unless enforce_eager."""
+        self.graphs = None
+        if (not self.on_device.captures_graphs or self.config.enforce_eager
+                or self.attention.name != "triton" or self.ctx.tp_size * self.ctx.pp_size > 1):
+            return
+        sched = self.config.scheduler
+        max_batch = min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_GRAPH_BATCH)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch,
+                                   self.slots.block_table.shape[1], self.device)
+
+    def _keep_graphs_valid(self) -> None:
+        """Capture again where the graphs' tensors moved (weights or cache given new memory)."""
+        if self.graphs is not None and not self.graphs.valid_for(self.model, self.kv_caches):
+            self.capture_decode_graphs()
+
+    def free_kv_cache(self) -> None:
+        """Let go of the KV cache (sleep, or after the profile step), connector's hold included."""
+        self.graphs = None   # they read the cache
+        self.kv_caches = []
+        if self.connector is not None:   # its hold on the cache would keep the memory
+            self.connector.register_kv_caches([])
+        self.attention.release()
+
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block here: this stage's layers, this rank's KV heads."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -131,12 +166,20 @@ class ModelRunner:
             if self.grammars is not None:
                 self.grammars.attach(slot, new)
         cached = so.scheduled_cached_reqs
-        for rid, blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                             cached.num_computed_tokens):
+        for rid, blocks, num_computed, num_null in zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                cached.num_null_blocks, strict=True):
             slot = slots.slot_of[rid]
             assert slots.num_computed_tokens[slot] == num_computed, (
                 f"{rid}: runner has {slots.num_computed_tokens[slot]} computed, scheduler {num_computed}")
             slots.append_blocks(slot, blocks)
+            slots.null_leading_blocks(slot, num_null)   # given back behind the sliding window
+
+    @torch.inference_mode()
+    def execute_profile_step(self, so: SchedulerOutput) -> None:
+        """A step that no KV connector sees: worker/memory_profile.py's, on a throwaway cache."""
+        self._update_slots(so)
+        self._execute(so)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -190,9 +233,19 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
         token_slot = np.repeat(idx, q_lens)
         input_ids = slots.token_ids[token_slot, positions]
-        meta = self.attention.build_metadata(q_lens, ctx, positions, slots.block_table[idx])
-
-        hidden = self._forward(input_ids, positions, meta)
+        rope_positions = positions
+        if self.long_rope_offset:
+            rope_positions = positions + self.long_rope_offset * slots.long_rope[token_slot]
+        if (self.graphs is not None and len(decodes) == len(idx)
+                and self.graphs.padded_size(len(idx)) is not None):
+            # Every request decodes one token: a CUDA graph's step (worker/cuda_graphs.py).
+            block_table = slots.block_table[idx]
+            hidden = self.graphs.run(input_ids, rope_positions,
+                                     self.attention.slots(q_lens, positions, block_table), ends,
+                                     block_table)
+        else:
+            meta = self.attention.build_metadata(q_lens, ctx, positions, slots.block_table[idx])
+            hidden = self._forward(input_ids, rope_positions, meta)
 
         # Who samples is the scheduler's decision; the runner obeys it. A request samples
         # (1 + k tokens with k drafts) when its chunk reaches its last known token.
@@ -246,7 +299,8 @@ class ModelRunner:
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray,
                  meta: AttentionMetadata) -> torch.Tensor:
         """This stage's part of the model; hidden states come from the stage before and go to
-        the stage after."""
+        the stage after. `positions` index the RoPE tables (a LongRoPE request's past the
+        short ones)."""
         hidden_in = None
         if self.link is not None and not self.ctx.is_first_stage:
             hidden_in = self.link.recv_hidden(len(positions))
@@ -348,15 +402,13 @@ class ModelRunner:
         self._weights_discarded = False
         if not self.model.is_packed:   # weights restored after sleep(level=2)
             self.model.pack_weights()
+        self._keep_graphs_valid()
         return len(loaded)
 
     def sleep(self, level: int) -> None:
         """Level 1 frees the KV cache and moves weights to host memory (a no-op on CPU);
         level 2 discards the weights as well."""
-        self.kv_caches = []
-        if self.connector is not None:   # its hold on the cache would keep the memory
-            self.connector.register_kv_caches([])
-        self.attention.release()
+        self.free_kv_cache()
         if level >= 2:
             self.model.unpack_weights()
             for param in self.model.parameters():
@@ -374,6 +426,10 @@ class ModelRunner:
             self.on_device.reload(self.model)
         if "kv_cache" in tags and not self.kv_caches:
             self._allocate_kv_cache()
+        if self.kv_caches and not self._weights_discarded:
+            if self.graphs is None:
+                self.capture_decode_graphs()
+            self._keep_graphs_valid()
 
     def _materialize_weights(self) -> None:
         """Uninitialised memory for every parameter, for a load to fill."""

@@ -22,6 +22,7 @@ class RequestSlots:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.long_rope = np.zeros(max_num_reqs, dtype=bool)   # NewRequestData.long_rope
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.seeds = [0] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -44,6 +45,7 @@ class RequestSlots:
         self.block_table[slot] = 0
         self.num_blocks[slot] = 0
         self.append_blocks(slot, new.block_ids)
+        self.long_rope[slot] = new.long_rope
         self.params[slot] = new.sampling_params
         self.seeds[slot] = new.generator_seed
         self.eos_token_ids[slot] = new.eos_token_id
@@ -66,6 +68,13 @@ class RequestSlots:
         start = int(self.num_blocks[slot])
         self.block_table[slot, start:start + len(block_ids)] = block_ids
         self.num_blocks[slot] = start + len(block_ids)
+
+    def null_leading_blocks(self, slot: int, num_blocks: int) -> None:
+        """Point the slot's first `num_blocks` table entries at the null block: the scheduler
+        gave those blocks back behind the sliding window, and another request may write them
+        from this step on. Attention never needs them; a kernel that still reads them under a
+        mask reads the null block's zeros."""
+        self.block_table[slot, :num_blocks] = 0
 
     def append_token(self, slot: int, token_id: int) -> None:
         n = int(self.num_tokens[slot])

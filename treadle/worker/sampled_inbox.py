@@ -44,6 +44,12 @@ class SampledInbox:
             assert self.pending, "a chunk needs tokens that no step in flight samples"
             self._receive_one(slots)
 
+    def drain(self, slots: RequestSlots) -> None:
+        """Take every step's tokens now: the profile step's (worker/memory_profile.py), whose
+        slots are about to go."""
+        while self.pending:
+            self._receive_one(slots)
+
     def _receive_one(self, slots: RequestSlots) -> None:
         step, req_ids = self.pending.popleft()
         for rid, token in zip(req_ids, self.link.recv_sampled(len(req_ids))):

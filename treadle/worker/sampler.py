@@ -1,9 +1,16 @@
 """Turns logits into tokens: logit_bias, min_tokens, penalties, grammar masks, temperature,
 top-k/top-p/min-p, logprobs (of the raw logits, before any of these, as vLLM's default).
 
-Randomness is positional: the noise for a request's k-th output token comes from a generator
-seeded with (request seed, k). A seeded request therefore samples the same tokens whatever else
-is in the batch, and whether or not it was preempted and recomputed on the way.
+Every step that touches the [rows, vocab] logits is one batched tensor operation over the rows
+that need it; Python walks the rows only to build small index and parameter tensors from their
+metadata. So the same code runs on a GPU without a per-row launch or a host sync:
+`Sampler.sample` returns its results as device tensors (`SamplerOutput`), and
+`SamplerOutput.to_lists` is the one place they become Python lists.
+
+Randomness is positional and counter-based (`sampling_random.py`): the noise for a request's
+k-th output token is a hash of (request seed, k, token index). A seeded request therefore samples
+the same tokens whatever else is in the batch, in whichever row, whether or not it was preempted
+and recomputed on the way, and the uniforms behind them are the same bits on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -17,9 +24,7 @@ from treadle.core.scheduler_output import TokenLogprobs
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.sampling_params import SamplingParams
 from treadle.worker.grammar import apply_token_bitmask
-
-_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) pairs apart
-_MASK63 = (1 << 63) - 1
+from treadle.worker.sampling_random import exponential_noise, row_key
 
 
 @dataclass
@@ -31,9 +36,44 @@ class SamplingRow:
     eos_token_id: int | None
 
 
-def _row_generator(gen: torch.Generator, seed: int, position: int) -> torch.Generator:
-    gen.manual_seed((seed * _MIX + position + 1) & _MASK63)
-    return gen
+@dataclass
+class BatchedLogprobs:
+    """Logprobs for some rows, as device tensors: each row's chosen token, its logprob and rank,
+    and the top max(num_top) tokens (a row keeps its first num_top of them)."""
+
+    num_top: list[int]
+    token_ids: torch.Tensor    # [n] int64
+    chosen: torch.Tensor       # [n] fp32
+    ranks: torch.Tensor        # [n] int32, 1 for the most likely token
+    top_ids: torch.Tensor      # [n, max num_top] int64
+    top_values: torch.Tensor   # [n, max num_top] fp32
+
+    def to_lists(self) -> list[TokenLogprobs]:
+        ids, chosen, ranks = self.token_ids.tolist(), self.chosen.tolist(), self.ranks.tolist()
+        top_ids, top_values = self.top_ids.tolist(), self.top_values.tolist()
+        return [TokenLogprobs(token_ids=[t] + ti[:n], logprobs=[c] + tv[:n], rank=r)
+                for t, c, r, ti, tv, n
+                in zip(ids, chosen, ranks, top_ids, top_values, self.num_top)]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """A step's samples, still on the device."""
+
+    token_ids: torch.Tensor              # [rows] int64
+    logprobs: BatchedLogprobs | None     # for the rows in `logprob_rows`
+    logprob_rows: list[int]
+
+    def to_lists(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The tokens and per-row logprobs (None where a row asked for none) as Python values:
+        the one place where the step's results leave the device."""
+        tokens = self.token_ids.tolist()
+        out: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self.logprobs is None:
+            return tokens, out
+        for i, lp in zip(self.logprob_rows, self.logprobs.to_lists()):
+            out[i] = lp
+        return tokens, out
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -48,6 +88,17 @@ def _argmax_only(row: SamplingRow) -> bool:
             and not _has_penalties(p) and not p.logit_bias)
 
 
+def _put(logits: torch.Tensor, row_ids: list[int], token_ids: list[int],
+         values: list[float] | float, accumulate: bool) -> None:
+    """logits[row_ids[i], token_ids[i]] = (or +=) values[i], all in one index_put_."""
+    if not row_ids:
+        return
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device),
+                      accumulate=accumulate)
+
+
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Adds each row's logit_bias to its logits in place, all rows in one index_put_."""
     row_ids: list[int] = []
@@ -59,18 +110,72 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             row_ids += [i] * len(bias)
             token_ids += bias.keys()
             biases += bias.values()
-    if not row_ids:
+    _put(logits, row_ids, token_ids, biases, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Bans EOS (unless ignore_eos) and the stop tokens of rows short of min_tokens, in place."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_ids) >= p.min_tokens:
+            continue
+        banned = list(p.stop_token_ids)
+        if row.eos_token_id is not None and not p.ignore_eos:
+            banned.append(row.eos_token_id)
+        row_ids += [i] * len(banned)
+        token_ids += banned
+    _put(logits, row_ids, token_ids, float("-inf"), accumulate=False)
+
+
+def token_counts(id_arrays: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each array, [len(id_arrays), vocab] fp32: one scatter_add_
+    over the arrays padded to one length with a spare column `vocab`, dropped at the end."""
+    width = max(1, max(len(a) for a in id_arrays))
+    padded = np.full((len(id_arrays), width), vocab, dtype=np.int64)
+    for r, a in enumerate(id_arrays):
+        padded[r, :len(a)] = a
+    ids = torch.from_numpy(padded).to(device)
+    counts = torch.zeros(len(id_arrays), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (CTRL: seen in prompt or output), frequency and presence (OpenAI: output
+    counts) penalties, in place, for the rows that have any, together. A row whose penalty is
+    neutral (1.0, or 0.0) comes out bit-identical: x / 1, x * 1 and x - 0 are exact."""
+    picked = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
+    if not picked:
         return
-    device = logits.device
-    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
-    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device),
-                      accumulate=True)
+    device, vocab = logits.device, logits.shape[-1]
+    params = [rows[i].params for i in picked]
+    index = torch.tensor(picked, device=device)
+    sub = logits[index]
+    counts = token_counts([rows[i].output_ids for i in picked], vocab, device)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=sub.dtype, device=device)[:, None]
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # Only rows with a repetition penalty need their prompt; the rest count an empty one.
+        empty = np.empty(0, dtype=np.int64)
+        prompts = [rows[i].prompt_ids if rows[i].params.repetition_penalty != 1.0 else empty
+                   for i in picked]
+        seen = (counts > 0) | (token_counts(prompts, vocab, device) > 0)
+        rep = column([p.repetition_penalty for p in params])
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        sub -= column([p.frequency_penalty for p in params]) * counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        sub -= column([p.presence_penalty for p in params]) * (counts > 0).to(sub.dtype)
+    logits[index] = sub
 
 
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._gen = torch.Generator(device=device)
         self._native_argmax = cpu_kernels_available(device)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -80,92 +185,83 @@ class Sampler:
             return torch.ops.treadle.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  grammar_mask: tuple[torch.Tensor, list[int]] | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """`grammar_mask`: (bitmask, the rows it covers) for rows under structured outputs.
+        """`sample`, converted to Python lists."""
+        return self.sample(logits, rows, grammar_mask).to_lists()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
+        """`grammar_mask`: (packed bitmask, the rows it covers) for rows under structured outputs.
         `logits` in the model's dtype: rows that only take the argmax read them as they are (a
         bf16 or fp16 value widens to fp32 exactly, so the answer is the same); the rest work in
-        fp32."""
+        fp32. `logits` is this step's own tensor, so it may be edited in place."""
         if grammar_mask is None and all(_argmax_only(r) for r in rows):
-            return self._argmax(logits).tolist(), [None] * len(rows)
-        logits = logits.float()
-        num_logprobs = [r.params.logprobs for r in rows]
-        raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if any(n is not None for n in num_logprobs) else None)
+            # An argmax records no autograd history: the common greedy step skips entering
+            # inference mode, which costs as much as the rest of this path.
+            return SamplerOutput(self._argmax(logits), None, [])
+        with torch.inference_mode():
+            return self._edit_and_sample(logits, rows, grammar_mask)
 
-        # `logits` is this step's own tensor, so it may be edited in place. The order is vLLM's:
-        # logit_bias and min_tokens, then penalties.
+    def _edit_and_sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+                         grammar_mask: tuple[torch.Tensor, list[int]] | None) -> SamplerOutput:
+        logits = logits.float()
+        logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_logprobs = None
+        if logprob_rows:
+            raw = logits if len(logprob_rows) == len(rows) else logits[logprob_rows]
+            raw_logprobs = torch.log_softmax(raw, dim=-1)
+
+        # vLLM's order: logit_bias and min_tokens, then penalties, then the grammar, before
+        # temperature and top-k/top-p.
         apply_logit_bias(logits, rows)
-        for i, row in enumerate(rows):
-            self._apply_min_tokens(logits[i], row)
-            self._apply_penalties(logits[i], row)
-        if grammar_mask is not None:   # after penalties, before temperature and top-k/top-p
+        apply_min_tokens(logits, rows)
+        apply_penalties(logits, rows)
+        if grammar_mask is not None:
             apply_token_bitmask(logits, *grammar_mask)
 
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < 1e-5]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]
         if not random:   # all greedy: no row copy of the [rows, vocab] logits
             tokens = self._argmax(logits)
+        elif not greedy:
+            tokens = self._sample(logits, rows)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            if greedy:
-                tokens[greedy] = self._argmax(logits[greedy])
+            tokens[greedy] = self._argmax(logits[greedy])
             tokens[random] = self._sample(logits[random], [rows[i] for i in random])
-        token_list = tokens.tolist()
 
-        out_logprobs: list[TokenLogprobs | None] = []
-        for i, n in enumerate(num_logprobs):
-            out_logprobs.append(None if n is None else token_logprobs(raw_logprobs[i], token_list[i], n))
-        return token_list, out_logprobs
+        logprobs = None
+        if raw_logprobs is not None:
+            chosen = tokens if len(logprob_rows) == len(rows) else tokens[logprob_rows]
+            logprobs = batched_logprobs(raw_logprobs, chosen,
+                                        [rows[i].params.logprobs for i in logprob_rows])
+        return SamplerOutput(tokens, logprobs, logprob_rows)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], device=device)
         logits = logits / temps[:, None]
-        top_k = [r.params.top_k for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
+        # The sort behind top-k/top-p is most of a step's sampling time: only rows that ask pay it.
+        cut = [i for i, r in enumerate(rows) if r.params.top_k > 0 or r.params.top_p < 1.0]
+        if cut:
+            top_k = [rows[i].params.top_k for i in cut]
+            top_p = [rows[i].params.top_p for i in cut]
+            if len(cut) == len(rows):
+                logits = _top_k_top_p(logits, top_k, top_p)
+            else:
+                index = torch.tensor(cut, device=device)
+                logits[index] = _top_k_top_p(logits[index], top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=logits.device)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise vector per row.
-        noise = torch.empty_like(probs)
-        for i, row in enumerate(rows):
-            noise[i].exponential_(generator=_row_generator(self._gen, row.seed, len(row.output_ids)))
-        return (probs / noise).argmax(dim=-1)
-
-    @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, row: SamplingRow) -> None:
-        if len(row.output_ids) >= row.params.min_tokens:
-            return
-        banned = list(row.params.stop_token_ids)
-        if row.eos_token_id is not None and not row.params.ignore_eos:
-            banned.append(row.eos_token_id)
-        if banned:
-            logits[banned] = float("-inf")
-
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-        p = row.params
-        if not _has_penalties(p):
-            return
-        vocab = logits.shape[0]
-        out_ids = torch.from_numpy(row.output_ids.astype(np.int64)).to(logits.device)
-        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            seen[torch.from_numpy(row.prompt_ids.astype(np.int64)).to(logits.device)] = True
-            penalised = torch.where(logits > 0, logits / p.repetition_penalty,
-                                    logits * p.repetition_penalty)
-            logits.copy_(torch.where(seen, penalised, logits))
-        if p.frequency_penalty != 0.0:
-            logits -= p.frequency_penalty * counts
-        if p.presence_penalty != 0.0:
-            logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
+            probs.masked_fill_(probs < threshold, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; E from the row's key.
+        keys = torch.tensor([row_key(r.seed, len(r.output_ids)) for r in rows], device=device)
+        return probs.div_(exponential_noise(keys, probs.shape[-1])).argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -182,8 +278,29 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def batched_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+                     ) -> BatchedLogprobs:
+    """For each row of `logprobs` ([n, vocab]): the logprob and rank of `token_ids` ([n]) and
+    the top num_top tokens, from one gather, one comparison and one topk of the largest
+    num_top, without leaving the device."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    # An int32 count: torch's int64 sum of a bool [n, vocab] along rows runs at a third the speed.
+    ranks = (logprobs > chosen).sum(dim=1, dtype=torch.int32) + 1
+    top_values, top_ids = logprobs.topk(min(max(num_top, default=0), logprobs.shape[-1]), dim=-1)
+    return BatchedLogprobs(num_top, token_ids, chosen[:, 0], ranks, top_ids, top_values)
+
+
+def logprobs_lists(logprobs: torch.Tensor, token_ids: torch.Tensor | list[int], num_top: int
+                   ) -> list[TokenLogprobs]:
+    """Prompt logprobs: `batched_logprobs` for rows that all keep `num_top`, as Python lists."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    return batched_logprobs(logprobs, ids, [num_top] * len(ids)).to_lists()
+
+
 def token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    """The chosen token's logprob and rank, then the top `num_top` (rank 1 first)."""
+    """One row's `logprobs_lists`, for a caller that walks rows itself (the model runner's prompt
+    logprobs, today): without a batch to share it, the tensor bookkeeping of the batched form
+    would cost more than the row's own work."""
     chosen = logprobs[token_id]
     rank = int((logprobs > chosen).sum().item()) + 1
     ids, values = [token_id], [float(chosen)]

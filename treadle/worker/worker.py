@@ -7,10 +7,11 @@ from typing import Any, Iterable
 
 import torch
 
-from treadle.config import TreadleConfig, num_blocks_from_budget
+from treadle.config import TreadleConfig, kv_cache_sized_by_profile, num_blocks_from_budget
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.structured_output.params import StructuredOutputsParams
+from treadle.worker.memory_profile import free_device_memory, profile_memory
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.weight_transfer import WeightReceiver
 
@@ -21,6 +22,10 @@ class Worker:
     def __init__(self, config: TreadleConfig, ctx: ParallelContext | None = None) -> None:
         self.config = config
         self.ctx = ctx or ParallelContext()
+        # The device's free memory before this worker takes any: the KV cache is sized
+        # against it (worker/memory_profile.py).
+        self.free_at_start = (free_device_memory(torch.device(config.device))
+                              if kv_cache_sized_by_profile(config) else None)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.ctx)
         self.weight_receiver = WeightReceiver(config.weight_transfer, self.runner, self.ctx)
@@ -29,10 +34,20 @@ class Worker:
         self.runner.load_model()
 
     def determine_num_blocks(self) -> int:
-        return num_blocks_from_budget(self.config, self.runner.kv_block_bytes())
+        profiled = None
+        if self.free_at_start is not None:
+            profile = profile_memory(self.runner, self.free_at_start)
+            profiled = profile.kv_cache_bytes(self.config.cache.gpu_memory_utilization)
+        return num_blocks_from_budget(self.config, self.runner.kv_block_bytes(), profiled)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
+        self.runner.capture_decode_graphs()
+
+    def release_kv_cache(self) -> None:
+        """At shutdown: the KV cache's memory goes back to the device."""
+        self.runner.free_kv_cache()
+        self.runner.on_device.release_cached_memory()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

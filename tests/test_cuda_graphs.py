@@ -1,0 +1,106 @@
+"""worker/cuda_graphs.py without a GPU: the padded sizes, the persistent buffers' padding rows,
+and when graphs go stale. The eager run of the same buffers is held to transformers under the
+interpreter (tests/test_triton_attention.py), and the captured graphs on a GPU (`gpu` tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from treadle import LLM
+from treadle.worker.cuda_graphs import DecodeGraphs, capture_sizes
+
+
+class Recorder(torch.nn.Module):
+    """Stands in for the model: records the buffers each forward sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.seen: list[dict] = []
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        self.seen.append({"ids": input_ids.tolist(), "positions": positions.tolist(),
+                          "slots": meta.slot_mapping.tolist(), "seq_lens": meta.seq_lens.tolist(),
+                          "table": meta.block_table.tolist(), "starts": meta.query_start.tolist()})
+        return torch.zeros(len(input_ids), 3)
+
+
+def test_capture_sizes_are_vllms():
+    assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(10) == [1, 2, 4, 8, 10]
+    assert capture_sizes(1) == [1]
+
+
+def test_padding_rows_write_nothing_and_read_the_null_block():
+    """A step of 4 decodes, then one of 3 padded to 4: the fourth row is padding again, never
+    the slot of the request that left (its write would land in a block now someone else's)."""
+    model = Recorder()
+    graphs = DecodeGraphs(model, [], max_batch=8, max_blocks=3, device=torch.device("cpu"),
+                          capture=False)
+    table = np.array([[5, 6, 0], [7, 0, 0], [8, 9, 10], [11, 0, 0]])
+    out = graphs.run(np.array([1, 2, 3, 4]), np.array([20, 5, 40, 9]), np.array([84, 117, 136, 185]),
+                     np.array([21, 6, 41, 10]), table)
+    assert out.shape == (4, 3)
+    graphs.run(np.array([1, 2, 3]), np.array([21, 6, 41]), np.array([85, 118, 137]),
+               np.array([22, 7, 42]), table[:3])
+    first, second = model.seen
+    assert first["slots"] == [84, 117, 136, 185] and first["starts"] == [0, 1, 2, 3, 4]
+    assert second == {"ids": [1, 2, 3, 0], "positions": [21, 6, 41, 0], "slots": [85, 118, 137, -1],
+                      "seq_lens": [22, 7, 42, 1], "table": table[:3].tolist() + [[0, 0, 0]],
+                      "starts": [0, 1, 2, 3, 4]}
+    assert graphs.padded_size(5) == 8 and graphs.padded_size(9) is None
+    assert graphs.num_steps == 2
+
+
+def test_graphs_go_stale_when_their_tensors_move():
+    model = Recorder()
+    cache = [torch.zeros(4)]
+    graphs = DecodeGraphs(model, cache, max_batch=2, max_blocks=1, device=torch.device("cpu"),
+                          capture=False)
+    assert graphs.valid_for(model, cache)
+    model.weight.data.copy_(torch.ones(2))   # an update in place keeps the address
+    assert graphs.valid_for(model, cache)
+    model.weight.data = torch.ones(2)        # new storage: a replay would read the old one
+    assert not graphs.valid_for(model, cache)
+    assert not graphs.valid_for(Recorder(), cache)
+
+
+@pytest.mark.parametrize("args", [{}, {"enforce_eager": True}])
+def test_no_graphs_where_they_cannot_serve(llama, args):
+    """On the CPU nothing is captured, whatever enforce_eager says."""
+    with LLM(llama, dtype="float32", num_kv_blocks=16, block_size=16, **args) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        assert runner.graphs is None and not runner.on_device.captures_graphs
+        assert llm.engine.config.enforce_eager == bool(args)
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_graphs_follow_sleep_and_weight_updates(tiny_checkpoints):
+    """After sleep and wake_up (cache and weights given new memory) the graphs are captured
+    again; after a weight update, a replay computes with the new weights."""
+    from tests.family_support import PretrainedReference, greedy_ids
+
+    path = tiny_checkpoints["qwen3"]
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 140))]
+    with LLM(path, device="cuda", attention_backend="triton", dtype="float32", block_size=16,
+             max_num_seqs=4) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        want = [PretrainedReference(path).greedy(p, 16) for p in prompts]
+        assert greedy_ids(llm, prompts, 16) == want
+        first = runner.graphs
+        llm.sleep(level=1)
+        assert runner.graphs is None
+        llm.wake_up()
+        assert runner.graphs is not None and runner.graphs is not first
+        assert greedy_ids(llm, prompts, 16) == want
+        name = "model.layers.1.mlp.down_proj.weight"
+        weight = dict(runner.model.named_parameters())[name].detach().cpu()
+        changed = {name: weight * 1.5}
+        llm.update_weights(changed.items())
+        steps = runner.graphs.num_steps
+        assert greedy_ids(llm, prompts, 16) == [PretrainedReference(path, changed).greedy(p, 16)
+                                                for p in prompts]
+        assert runner.graphs.num_steps > steps

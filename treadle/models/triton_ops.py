@@ -1,0 +1,272 @@
+"""The decoder's elementwise ops in Triton, for the GPU path: RMSNorm (Llama's and Gemma's
+(1 + weight) form), the residual add fused into the norm after it, SiLU-and-mul and GeGLU
+(tanh), and RoPE applied to q and k in place.
+
+Each op does the torch path's arithmetic (treadle/models/llama.py, gemma.py, rope.py) in the
+same order with the same roundings: fp32 inside, and a value rounded to the model's dtype
+wherever torch rounds it (the normalized row before the weight, SiLU before the product, each
+RoPE product), so bf16 outputs are torch's but for the norms' sum order and the exp of the
+activations; in fp32 only those differ, by an ulp or so. The launches turn off fp
+contraction (`enable_fp_fusion=False`): an FMA rounds once where torch rounds twice, and these
+kernels are bound by memory, not arithmetic. The norm divides with `div_rn` and `sqrt_rn`,
+as torch's CPU rsqrt (1 / sqrt, both IEEE); a GPU's default `/` is approximate.
+
+Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) rounds fp32 to bf16 by truncation;
+under it `_round` rounds to nearest even in integer bits first, so the interpreted kernels
+round as a GPU does. Triton decides at definition whether a kernel is interpreted, so this
+module is imported only where it runs (treadle imports without triton).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Round to bf16 in integer bits: under the interpreter only (see the module's docstring).
+_ROUND_IN_BITS = os.environ.get("TRITON_INTERPRET") == "1"
+_LAUNCH = {"enable_fp_fusion": False}
+# torch's gelu(approximate="tanh") constants: sqrt(2 / pi) and 0.044715
+_GELU_BETA = tl.constexpr(0.7978845608028654)
+_GELU_KAPPA = tl.constexpr(0.044715)
+_ACT_BLOCK = 1024   # at most this many features of a row per program of the activation kernel
+_TILE = 2048        # elements a program takes, about, where rows are shorter
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, IN_BITS: tl.constexpr):
+    """fp32 `x` rounded to `dtype`, to nearest even."""
+    if IN_BITS and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)   # exact in bf16 now
+    return x.to(dtype)
+
+
+@triton.jit
+def _normalize(h, w_ptr, cols, col_ok, eps, D: tl.constexpr, in_dtype: tl.constexpr,
+               out_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, IN_BITS: tl.constexpr):
+    """RMSNorm of the fp32 rows `h` [rows, BLOCK] (zeros past D), rounded to `out_dtype`:
+    Llama's weight * (h * rstd).to(dtype), or with UNIT_OFFSET Gemma's h * rstd * (1 + weight)."""
+    mean = tl.math.div_rn(tl.sum(h * h, axis=1), D + 0.0)
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))[:, None]
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if UNIT_OFFSET:
+        y = h * rstd * (1.0 + w)
+    else:
+        y = _round(h * rstd, in_dtype, IN_BITS).to(tl.float32) * w
+    return _round(y, out_dtype, IN_BITS)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_xt, stride_xh, num_rows, num_heads, eps,
+                     D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr, IN_BITS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < D
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    starts = (rows // num_heads) * stride_xt + (rows % num_heads) * stride_xh
+    x = tl.load(x_ptr + starts[:, None] + cols[None, :], mask=mask, other=0.0)
+    y = _normalize(x.to(tl.float32), w_ptr, cols, col_ok, eps, D, x_ptr.dtype.element_ty,
+                   out_ptr.dtype.element_ty, UNIT_OFFSET, IN_BITS)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(x_ptr, residual_ptr, w_ptr, stride_x, stride_r, num_rows, eps,
+                               D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                               IN_BITS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < D
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    x_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    r_ptrs = residual_ptr + rows[:, None] * stride_r + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    r = tl.load(r_ptrs, mask=mask, other=0.0)
+    dtype = x_ptr.dtype.element_ty
+    h = _round(x.to(tl.float32) + r.to(tl.float32), dtype, IN_BITS)
+    tl.store(r_ptrs, h, mask=mask)
+    y = _normalize(h.to(tl.float32), w_ptr, cols, col_ok, eps, D, dtype, dtype, False, IN_BITS)
+    tl.store(x_ptrs, y, mask=mask)
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, num_rows, I: tl.constexpr,
+                        BLOCK: tl.constexpr, ROWS: tl.constexpr, GELU_TANH: tl.constexpr,
+                        IN_BITS: tl.constexpr):
+    rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (rows < num_rows) & (cols < I)
+    gate_ptrs = x_ptr + rows * stride_x + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if GELU_TANH:   # torch's order: 0.5 * x * (1 + tanh(beta * (x + kappa * x**3)))
+        inner = _GELU_BETA * (gate + _GELU_KAPPA * (gate * gate * gate))
+        t = tl.exp(-2.0 * tl.abs(inner))
+        tanh = tl.math.div_rn(1.0 - t, 1.0 + t)
+        tanh = tl.where(inner < 0, -tanh, tanh)
+        act = 0.5 * gate * (1.0 + tanh)
+    else:
+        act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
+    y = _round(act, dtype, IN_BITS).to(tl.float32) * up
+    tl.store(out_ptr + rows * I + cols, _round(y, dtype, IN_BITS), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, tokens, token_ok, stride_t, stride_h, num_heads, c1, c2, s1, s2, d,
+                  d_ok, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, IN_BITS: tl.constexpr):
+    """Some tokens' heads in place: x * cos + rotate_half(x) * sin over the first 2 * HALF
+    features, each product rounded to the dtype as torch rounds it. Tiles are [tokens,
+    heads, HALF_PAD]; cos and sin halves [tokens, 1, HALF_PAD]."""
+    heads = tl.arange(0, HEADS_PAD)[None, :, None]
+    mask = token_ok[:, None, None] & (heads < num_heads) & d_ok[None, None, :]
+    ptrs = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + d[None, None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    a = _round(x1 * c1, dtype, IN_BITS).to(tl.float32)
+    b = _round(x2 * s1, dtype, IN_BITS).to(tl.float32)
+    c = _round(x2 * c2, dtype, IN_BITS).to(tl.float32)
+    e = _round(x1 * s2, dtype, IN_BITS).to(tl.float32)
+    tl.store(ptrs, _round(a - b, dtype, IN_BITS), mask=mask)
+    tl.store(ptrs + HALF, _round(c + e, dtype, IN_BITS), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_cos, stride_sin, num_tokens, num_q_heads, num_k_heads,
+                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+                 K_HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr, IN_BITS: tl.constexpr):
+    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    token_ok = tokens < num_tokens
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    mask = token_ok[:, None] & d_ok[None, :]
+    cos = cos_ptr + tokens[:, None] * stride_cos + d[None, :]
+    sin = sin_ptr + tokens[:, None] * stride_sin + d[None, :]
+    c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    _rotate_heads(q_ptr, tokens, token_ok, stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2,
+                  d, d_ok, HALF, Q_HEADS_PAD, IN_BITS)
+    _rotate_heads(k_ptr, tokens, token_ok, stride_kt, stride_kh, num_k_heads, c1, c2, s1, s2,
+                  d, d_ok, HALF, K_HEADS_PAD, IN_BITS)
+
+
+def _tile(block: int) -> tuple[int, int]:
+    """(rows a program takes, its warps) for rows of `block` elements: short rows (a head's
+    norm, a small model's) share a program up to _TILE elements, and a warp per 256 of them
+    keeps the loads in flight without idle threads. First guesses, to be measured on a GPU."""
+    rows = max(1, _TILE // block)
+    return rows, max(1, min(8, rows * block // 256))
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [tokens, heads, features] with the features contiguous: a view where it can be."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    return x if x.dim() == 3 else x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over x's last dim (any leading dims and strides, e.g. Qwen3's q heads inside
+    the fused qkv output): Llama's `weight * normalized.to(dtype)`, or with unit_offset
+    Gemma's `(normalized * (1 + weight)).to(dtype)`. A new contiguous tensor."""
+    dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    rows = _as_rows(x)
+    d = x.shape[-1]
+    if out.numel() == 0:
+        return out
+    block = triton.next_power_of_2(d)
+    per_program, warps = _tile(block)
+    num_rows = rows.shape[0] * rows.shape[1]
+    _rms_norm_kernel[(triton.cdiv(num_rows, per_program),)](
+        rows, weight, out, rows.stride(0), rows.stride(1), num_rows, rows.shape[1], eps,
+        D=d, BLOCK=block, ROWS=per_program, UNIT_OFFSET=unit_offset, IN_BITS=_ROUND_IN_BITS,
+        num_warps=warps, **_LAUNCH)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, one pass: residual += x, then x = RMSNorm(residual), as RMSNorm.add_and_norm
+    computes them. x and residual: [tokens, hidden] of one dtype, rows of contiguous features.
+    Returns (x, residual): the normalized rows and the new residual stream."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must match")
+    if x.dim() != 2 or x.stride(-1) != 1 or residual.stride(-1) != 1:
+        raise ValueError("fused_add_rms_norm takes [tokens, hidden] with contiguous rows")
+    if x.shape[0] == 0:
+        return x, residual
+    block = triton.next_power_of_2(x.shape[1])
+    per_program, warps = _tile(block)
+    _fused_add_rms_norm_kernel[(triton.cdiv(x.shape[0], per_program),)](
+        x, residual, weight, x.stride(0), residual.stride(0), x.shape[0], eps,
+        D=x.shape[1], BLOCK=block, ROWS=per_program, IN_BITS=_ROUND_IN_BITS,
+        num_warps=warps, **_LAUNCH)
+    return x, residual
+
+
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block = min(_ACT_BLOCK, triton.next_power_of_2(inter))
+    per_program, warps = _tile(block)
+    _act_and_mul_kernel[(triton.cdiv(rows.shape[0], per_program), triton.cdiv(inter, block))](
+        rows, out, rows.stride(0), rows.shape[0], I=inter, BLOCK=block, ROWS=per_program,
+        GELU_TANH=gelu_tanh, IN_BITS=_ROUND_IN_BITS, num_warps=warps, **_LAUNCH)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection's output [..., 2 * I] -> [..., I]."""
+    return _act_and_mul(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU: gelu(gate, approximate="tanh") * up, [..., 2 * I] -> [..., I]."""
+    return _act_and_mul(gate_up, gelu_tanh=True)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [tokens, q heads, head dim] and k [tokens, kv heads, head dim] in place, as
+    rope.apply_rope does (neox rotate-half over the first cos.shape[-1] features; the rest
+    pass through). cos, sin: [tokens, rotary dim] or RotaryEmbedding's [tokens, 1, rotary dim].
+    q and k may be strided views (of the fused qkv output); each head's features contiguous."""
+    rot = cos.shape[-1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rope_ rotates in place: each head's features must be contiguous")
+    if rot % 2 or rot > q.shape[-1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same tokens "
+                         f"and head dim, and rotary dim {rot} be even and at most the head dim")
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return
+    cos, sin = cos.reshape(num_tokens, rot), sin.reshape(num_tokens, rot)
+    half = rot // 2
+    half_pad = triton.next_power_of_2(half)
+    q_pad, k_pad = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
+    per_program, warps = _tile(max(q_pad, k_pad) * half_pad)
+    _rope_kernel[(triton.cdiv(num_tokens, per_program),)](
+        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), sin.stride(0), num_tokens, q.shape[1], k.shape[1],
+        HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad, TOKENS=per_program,
+        IN_BITS=_ROUND_IN_BITS, num_warps=warps, **_LAUNCH)

@@ -1,0 +1,144 @@
+"""CUDA graphs of the decode step: a step of n one-token decodes replays a graph captured at the
+smallest padded batch size >= n, instead of launching every kernel of the model from Python.
+
+A graph replays fixed addresses, so the step's inputs live in persistent buffers: token ids,
+positions (RoPE rows), slot mapping, sequence lengths and block table, each copied in before
+the replay, and the hidden states come out in the graph's own output tensor. The graphs are
+captured from the largest size down into one shared memory pool, after the KV cache exists.
+Rows past n are padding that can do no harm: a one-token "decode" of token 0 at position 0
+whose slot is -1 (nothing written) and whose block table is the null block (finite zeros read).
+
+Only the `triton` attention backend can be captured: its metadata is device tensors and its
+grids are upper bounds from shapes, with no value read back (attention/triton_backend.py); the
+split-KV decode path is left to eager steps, since its split count depends on the step.
+Sampling stays outside the graph. Anything that moves the captured tensors (the KV cache freed
+by sleep, weights moved to the host and back, parameters given new storage) drops the graphs:
+`valid_for` sees it, and the runner captures again.
+
+With `capture=False` the same buffers and padding run eagerly: how the CPU tests hold this
+path to transformers under Triton's interpreter, where no graph can be captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from treadle.attention.triton_backend import TritonMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes, as vLLM's: 1, 2, 4, then every multiple of 8, up to max_batch
+    (itself included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
+    return sizes + [max_batch]
+
+
+def tensor_addresses(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
+    """Where every tensor a graph reads lives: the graphs stay valid while this is unchanged."""
+    tensors = [*model.parameters(), *model.buffers(), *kv_caches]
+    return tuple(t.data_ptr() for t in tensors)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
+                 max_blocks: int, device: torch.device, capture: bool = True) -> None:
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = max_batch
+        self.addresses = tensor_addresses(model, kv_caches)
+        as_long = dict(dtype=torch.int64, device=device)
+        as_int = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_batch, **as_long)
+        self.positions = torch.zeros(max_batch, **as_long)
+        self.slot_mapping = torch.full((max_batch,), -1, **as_int)
+        self.seq_lens = torch.ones(max_batch, **as_int)
+        self.query_start = torch.arange(max_batch + 1, **as_int)   # one token per request
+        self.block_table = torch.zeros(max_batch, max_blocks, **as_int)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_steps = 0   # decode steps served (replayed, or run eagerly on the buffers)
+        if capture:
+            self._capture_all()
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The smallest captured size that holds num_reqs decodes; None past the largest."""
+        if num_reqs > self.max_batch:
+            return None
+        return next(s for s in self.sizes if s >= num_reqs)
+
+    def valid_for(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> bool:
+        return (model is self.model and kv_caches is self.kv_caches
+                and tensor_addresses(model, kv_caches) == self.addresses)
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+            seq_lens: np.ndarray, block_table: np.ndarray) -> torch.Tensor:
+        """The model's hidden states for n one-token decodes ([n, hidden]); the arrays are the
+        step's, one entry (or block-table row) per decode."""
+        n = len(input_ids)
+        size = self.padded_size(n)
+        assert size is not None, f"{n} decodes, more than the largest graph ({self.max_batch})"
+        self._fill(n, size, input_ids, positions, slot_mapping, seq_lens, block_table)
+        self.num_steps += 1
+        if size in self.graphs:
+            graph, out = self.graphs[size]
+            graph.replay()
+        else:
+            out = self._forward(size)
+        return out[:n]
+
+    # -- inside ------------------------------------------------------------------------------
+    def _fill(self, n: int, size: int, input_ids: np.ndarray, positions: np.ndarray,
+              slot_mapping: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> None:
+        """Copy the step into the buffers' first n rows, and reset rows n..size to padding."""
+        width = min(block_table.shape[1], self.block_table.shape[1])
+        for buffer, values in ((self.input_ids, input_ids), (self.positions, positions),
+                               (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
+            buffer[:n].copy_(self._to_device(values.astype(np.int64 if buffer.dtype == torch.int64
+                                                           else np.int32)), non_blocking=True)
+        self.block_table[:n, :width].copy_(
+            self._to_device(np.ascontiguousarray(block_table[:, :width], dtype=np.int32)),
+            non_blocking=True)
+        if size > n:
+            self.input_ids[n:size] = 0
+            self.positions[n:size] = 0
+            self.slot_mapping[n:size] = -1
+            self.seq_lens[n:size] = 1
+            self.block_table[n:size] = 0
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        # From pinned memory a copy does not wait for the GPU.
+        return host.pin_memory() if self.device.type == "cuda" else host
+
+    def _metadata(self, size: int) -> TritonMetadata:
+        return TritonMetadata(self.slot_mapping[:size], size, self.block_table[:size],
+                              self.seq_lens[:size], self.query_start[:size + 1], 1, None)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
+                          self._metadata(size))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):   # the largest first: the pool fits all
+            self._fill(0, size, *(np.zeros(0, np.int64) for _ in range(4)),
+                       np.zeros((0, 1), np.int64))
+            side = torch.cuda.Stream(self.device)   # warm-up off the capture stream, as torch asks
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward(size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(size)
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs", len(self.graphs),
+                    self.max_batch, time.perf_counter() - start)

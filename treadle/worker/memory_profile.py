@@ -1,0 +1,144 @@
+"""How much of a GPU the KV cache gets, found by profiling, as vLLM does it.
+
+`gpu_memory_utilization` (default 0.9) is the share of the whole device this engine may use.
+The worker reads the free memory before it takes any, loads the model, then runs one step as
+large as the scheduler can ever give it (`max_num_batched_tokens` prompt tokens over up to
+`max_num_seqs` requests, each sampling) on a throwaway KV cache. The KV cache is what is left:
+
+    total * utilization - (what the worker holds after loading) - (the step's peak activations)
+
+Memory other processes held at start-up is not ours to take: when less than
+`total * utilization` was free then, start-up stops with the numbers and what to change,
+instead of an out-of-memory error later in some step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from treadle.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from treadle.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from treadle.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One worker's GPU memory, in bytes.
+
+    total: the device's memory.
+    free_at_start: free when the worker started; the rest was other processes' (and the CUDA
+        context's).
+    held_after_load: what the worker holds once the model is loaded and the profile step has
+        run, torch's cache emptied: the weights, workspaces, the runtime's own.
+    peak_activations: how far the profile step's allocations rose above where they started.
+    """
+
+    total: int
+    free_at_start: int
+    held_after_load: int
+    peak_activations: int
+
+    def kv_cache_bytes(self, utilization: float) -> int:
+        """What is left for the KV cache; ValueError, with the numbers, where nothing is."""
+        requested = int(self.total * utilization)
+        if self.free_at_start < requested:
+            raise ValueError(
+                f"gpu_memory_utilization {utilization} asks for {requested / GiB:.2f} GiB of the "
+                f"device's {self.total / GiB:.2f} GiB, but only {self.free_at_start / GiB:.2f} GiB "
+                f"were free at start-up: other processes hold "
+                f"{(self.total - self.free_at_start) / GiB:.2f} GiB. Lower gpu_memory_utilization "
+                f"to at most {self.free_at_start / self.total:.2f}, or stop what holds the memory")
+        kv_bytes = requested - self.held_after_load - self.peak_activations
+        if kv_bytes <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization {utilization} ({requested / GiB:.2f} GiB) leaves nothing "
+                f"for the KV cache: the loaded model holds {self.held_after_load / GiB:.2f} GiB "
+                f"and a step at its largest needs {self.peak_activations / GiB:.2f} GiB more; "
+                "raise gpu_memory_utilization, or lower max_num_batched_tokens or max_num_seqs")
+        return kv_bytes
+
+    def describe(self, utilization: float) -> str:
+        return (f"{self.total / GiB:.2f} GiB device x {utilization} = "
+                f"{self.total * utilization / GiB:.2f} GiB: model and runtime "
+                f"{self.held_after_load / GiB:.2f} GiB, peak activations "
+                f"{self.peak_activations / GiB:.2f} GiB, KV cache "
+                f"{self.kv_cache_bytes(utilization) / GiB:.2f} GiB (others held "
+                f"{(self.total - self.free_at_start) / GiB:.2f} GiB at start-up)")
+
+
+def free_device_memory(device: torch.device) -> int:
+    """The GPU's free memory, once this process's own garbage is given back: an engine closed
+    or dropped earlier in the process (its tensors in a reference cycle, or in torch's cache)
+    is not another process's memory."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int
+                  ) -> tuple[SchedulerOutput, int]:
+    """A step of `num_tokens` prompt tokens over min(max_num_seqs, num_tokens) requests that
+    all sample, on blocks 1.. of a throwaway cache; and how many blocks that cache needs (the
+    null block included)."""
+    num_reqs = min(max_num_seqs, num_tokens)
+    lengths = np.full(num_reqs, num_tokens // num_reqs)
+    lengths[:num_tokens % num_reqs] += 1
+    new_reqs, next_block = [], 1
+    for i, n in enumerate(lengths.tolist()):
+        num_blocks = -(-n // block_size)
+        new_reqs.append(NewRequestData(
+            req_id=f"profile-{i}", token_ids=[0] * n, num_prompt_tokens=n,
+            sampling_params=SamplingParams(max_tokens=1), num_computed_tokens=0,
+            block_ids=list(range(next_block, next_block + num_blocks)), generator_seed=i))
+        next_block += num_blocks
+    ids = [r.req_id for r in new_reqs]
+    step = SchedulerOutput(
+        scheduled_new_reqs=new_reqs, scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens=dict(zip(ids, lengths.tolist())), total_num_scheduled_tokens=num_tokens,
+        num_in_flight_tokens=dict.fromkeys(ids, 1))
+    return step, next_block
+
+
+def run_profile_step(runner: ModelRunner) -> None:
+    """The largest step the scheduler can give, through the runner's own step path, on a
+    throwaway KV cache; the runner is left with no KV cache and no requests."""
+    config = runner.config
+    step, num_blocks = profile_batch(config.scheduler.max_num_batched_tokens,
+                                     config.scheduler.max_num_seqs, config.cache.block_size)
+    runner.init_kv_cache(num_blocks)
+    runner.execute_profile_step(step)
+    if runner.inbox is not None:   # a stage before the last: the tokens sent back to it
+        runner.inbox.drain(runner.slots)
+    runner.free_kv_cache()
+
+
+def profile_memory(runner: ModelRunner, free_at_start: int) -> MemoryProfile:
+    """Run the profile step on the runner's GPU and measure what it and the model take."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run_profile_step(runner)
+    torch.cuda.synchronize(device)
+    # The throwaway cache counts in the peak; it is small (one step's blocks), and erring
+    # that way leaves the KV cache smaller, never the device short.
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    free_now, total = torch.cuda.mem_get_info(device)
+    profile = MemoryProfile(total=total, free_at_start=free_at_start,
+                            held_after_load=free_at_start - free_now, peak_activations=peak)
+    logger.info("GPU memory: %s", profile.describe(runner.config.cache.gpu_memory_utilization))
+    return profile

@@ -201,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
 
     qk_norm = False
     make_mlp = staticmethod(dense_mlp)   # (config, layer index, ctx) -> the layer's feed-forward
+    # Its forward reads nothing back to the host: worker/cuda_graphs.py may capture a decode step.
+    capturable = True
     is_packed = False    # pack_weights has run (a no-op off CPU): weight loads re-pack
     # "int8" or "gguf" (the file's blocks, from gguf_file): weight-only copies for a few rows,
     # set before pack_weights

@@ -22,10 +22,11 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
-import numpy as np
 import torch
 
 from treadle.models import hub
+from treadle.models.gguf_config import (ROPE_FACTOR_TENSORS, complete_gguf_config, dequantize,
+                                        gguf_field)
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -134,7 +135,7 @@ def _gguf_config(key: tuple[str, int, int]) -> PretrainedConfig:
 
     path = key[0]
     config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return _complete_gguf_config(config, _gguf_reader(key))
+    return complete_gguf_config(config, _gguf_reader(key))
 
 
 @functools.lru_cache(maxsize=4)
@@ -330,8 +331,8 @@ _GGUF_GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Precomputed tables transformers derives from the config instead of loading, and Phi-3's
-# LongRoPE factors, which `_complete_gguf_config` reads into the config.
-_GGUF_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# LongRoPE factors, which gguf_config.py reads into the config.
+_GGUF_SKIPPED = {"rope_freqs.weight", *ROPE_FACTOR_TENSORS}
 # Architectures whose llama.cpp converter permutes q/k rows (the others are stored as-is).
 _PERMUTED_ARCHS = {"llama"}
 # Gemma's RMSNorm scales by 1 + weight, and llama.cpp's converter stores 1 + weight.
@@ -374,141 +375,14 @@ def _gguf_reader(key: tuple[str, int, int]) -> GGUFReader:
     return GGUFReader(key[0])
 
 
-def _gguf_field(reader: GGUFReader, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def _gguf_head_counts(reader: GGUFReader, hf_config: PretrainedConfig | None) -> tuple[int, int]:
     if hf_config is not None:
         heads = hf_config.num_attention_heads
         return heads, getattr(hf_config, "num_key_value_heads", None) or heads
-    arch = _gguf_field(reader, "general.architecture")
-    heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = _gguf_field(reader, f"{arch}.attention.head_count_kv")
+    arch = gguf_field(reader, "general.architecture")
+    heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = gguf_field(reader, f"{arch}.attention.head_count_kv")
     return heads, int(kv_heads) if kv_heads is not None else heads
-
-
-# -- what transformers' GGUF reader leaves out of the config ---------------------------------
-# transformers maps a GGUF's metadata onto a config key by key; for the families below it drops
-# or guesses what the file (or llama.cpp, which runs it) does say. `_complete_gguf_config` sets
-# those from the file, so treadle runs the model llama.cpp runs from the same file.
-# Gemma's attention scale is not written: llama.cpp takes head_dim ** -0.5, except for the
-# 27B models (known by their layer count), which take (hidden / heads) ** -0.5.
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# llama.cpp's local/global layer patterns: every 2nd (Gemma 2) or 6th (Gemma 3) layer global,
-# and Gemma 3's local RoPE base, when the file does not give them.
-_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0
-
-
-def _complete_gguf_config(config: PretrainedConfig, reader: GGUFReader) -> PretrainedConfig:
-    """`config` (transformers' reading of the GGUF) with what else the file says."""
-    arch = _gguf_field(reader, "general.architecture")
-    meta = functools.partial(_gguf_arch_field, reader, arch)
-    if arch == "llama":
-        return _llama_arch_config(config, meta)
-    if arch == "qwen3moe":
-        # Experts on every layer: llama.cpp's qwen3moe has no dense layers (nor a name for
-        # their tensors), so a checkpoint with `mlp_only_layers` does not convert.
-        config.moe_intermediate_size = int(meta("expert_feed_forward_length"))
-        norm = meta("expert_weights_norm")
-        config.norm_topk_prob = True if norm is None else bool(norm)   # llama.cpp: always
-    elif arch == "phi3":
-        _phi3_rope(config, reader, meta)
-    elif arch in _GEMMA_27B_LAYERS:
-        _gemma_config(config, arch, meta)
-    return config
-
-
-def _gguf_arch_field(reader: GGUFReader, arch: str, key: str) -> Any:
-    return _gguf_field(reader, f"{arch}.{key}")
-
-
-def _llama_arch_config(config: PretrainedConfig, meta: Any) -> PretrainedConfig:
-    """Llama, Mistral and Mixtral all convert to llama.cpp's `llama` architecture.
-
-    Mixtral is the one with experts. None of them records a sliding window, and llama.cpp
-    attends to every position; so does treadle (transformers, for a file whose name is exactly "mistral",
-    assumes MistralConfig's 4096-token window instead). Mistral-7B-v0.1's own 4096-token window
-    is lost this way: past 4096 tokens its GGUF computes what llama.cpp computes, not what the
-    HF checkpoint does.
-    """
-    from transformers import MixtralConfig
-
-    if getattr(config, "sliding_window", None) is not None:
-        logger.warning("GGUF files of the llama architecture record no sliding window; attending "
-                       "to all positions as llama.cpp does (not transformers' guess of %d)",
-                       config.sliding_window)
-        config.sliding_window = None
-    experts = meta("expert_count")
-    if not experts:
-        return config
-    fields = {k: v for k, v in config.to_dict().items()
-              if k not in ("model_type", "architectures", "transformers_version")}
-    fields.update(num_local_experts=int(experts), num_experts_per_tok=int(meta("expert_used_count")),
-                  sliding_window=None, architectures=["MixtralForCausalLM"])
-    return MixtralConfig(**fields)
-
-
-def _phi3_rope(config: PretrainedConfig, reader: GGUFReader, meta: Any) -> None:
-    """Phi-3's partial RoPE, LongRoPE factors (two tensors) and sliding window (0: none)."""
-    head_dim = config.hidden_size // config.num_attention_heads
-    rope = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base") or 10000.0)}
-    dims = meta("rope.dimension_count")
-    if dims is not None and int(dims) != head_dim:
-        rope["partial_rotary_factor"] = int(dims) / head_dim
-        config.partial_rotary_factor = rope["partial_rotary_factor"]
-    factors = {t.name: t for t in reader.tensors if t.name in _GGUF_SKIPPED}
-    if "rope_factors_long.weight" in factors:
-        original = int(meta("rope.scaling.original_context_length"))
-        rope.update(rope_type="longrope", original_max_position_embeddings=original,
-                    long_factor=_dequantize(factors["rope_factors_long.weight"]).tolist(),
-                    short_factor=_dequantize(factors["rope_factors_short.weight"]).tolist())
-        attn_factor = meta("rope.scaling.attn_factor")
-        if attn_factor is not None:
-            rope["attention_factor"] = float(attn_factor)
-        config.original_max_position_embeddings = original
-    config.rope_parameters = rope
-    config.sliding_window = int(meta("attention.sliding_window") or 0) or None
-
-
-def _gemma_config(config: PretrainedConfig, arch: str, meta: Any) -> None:
-    """Gemma's attention scale, soft-capping, local/global layers and RoPE bases."""
-    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
-    head_dim = int(meta("attention.key_length") or hidden // heads)
-    config.head_dim = head_dim
-    config.query_pre_attn_scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
-    config.attn_logit_softcapping = meta("attn_logit_softcapping")
-    config.final_logit_softcapping = meta("final_logit_softcapping")
-    window = meta("attention.sliding_window")
-    config.sliding_window = int(window) if window else None
-    pattern = meta("attention.sliding_window_pattern")
-    if window is None:
-        local = [False] * layers
-    elif isinstance(pattern, list):
-        local = [bool(p) for p in pattern]
-    else:
-        every = int(pattern) if pattern else _GEMMA_GLOBAL_EVERY[arch]
-        local = [(i + 1) % every != 0 for i in range(layers)]
-    config.layer_types = ["sliding_attention" if s else "full_attention" for s in local]
-    if arch == "gemma3":
-        full = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base") or 1000000.0)}
-        if meta("rope.scaling.type") == "linear":
-            full.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
-        local_base = meta("rope.freq_base_swa") or _GEMMA3_LOCAL_ROPE_BASE
-        config.rope_parameters = {"full_attention": full, "sliding_attention": {
-            "rope_type": "default", "rope_theta": float(local_base)}}
-
-
-def _dequantize(tensor: Any) -> torch.Tensor:
-    from gguf.quants import dequantize
-
-    data = dequantize(tensor.data, tensor.tensor_type)
-    # F32 tensors come back as views of the read-only file map: copy those into our memory.
-    data = data.astype(np.float32, copy=not data.flags.writeable)
-    # GGUF lists dims innermost first (ne0, ne1, ...); torch wants outermost first.
-    return torch.from_numpy(data.reshape([int(d) for d in reversed(tensor.shape)]))
 
 
 class GgufEntry(NamedTuple):
@@ -523,7 +397,7 @@ class GgufEntry(NamedTuple):
 def gguf_tensors(path: str, hf_config: PretrainedConfig | None) -> Iterator[GgufEntry]:
     """Each tensor of a GGUF file under its transformers name (`GgufEntry`)."""
     reader = _gguf_reader(_file_key(path))
-    arch = _gguf_field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     permuted = arch in _PERMUTED_ARCHS
     num_heads, num_kv_heads = _gguf_head_counts(reader, hf_config)
     for tensor in reader.tensors:
@@ -543,7 +417,7 @@ def _iter_gguf(path: str, hf_config: PretrainedConfig | None) -> Iterator[tuple[
     start = time.perf_counter()
     count = 0
     for name, tensor, heads, shift in gguf_tensors(path, hf_config):
-        weight = _dequantize(tensor)
+        weight = dequantize(tensor)
         if heads is not None:
             weight = unpermute_rope_rows(weight, heads)
         if shift:

@@ -103,6 +103,8 @@ def expert_weights(weights: Iterable[tuple[str, torch.Tensor]]
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family model whose feed-forward blocks (some or all) are mixtures of experts."""
 
+    capturable = False   # which experts run is read back to the host, once per layer
+
     def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
                            ) -> Iterable[tuple[str, torch.Tensor]]:
         return expert_weights(weights)

@@ -120,10 +120,12 @@ class ModelRunner:
 
     def capture_decode_graphs(self) -> None:
         """CUDA graphs of decode steps (worker/cuda_graphs.py), where they can serve: on a GPU,
-        on the triton backend, with one worker, unless enforce_eager."""
+        on the triton backend, with one worker, for a model that reads nothing back in its
+        forward (not MoE), unless enforce_eager."""
         self.graphs = None
         if (not self.on_device.captures_graphs or self.config.enforce_eager
-                or self.attention.name != "triton" or self.ctx.tp_size * self.ctx.pp_size > 1):
+                or self.attention.name != "triton" or not self.model.capturable
+                or self.ctx.tp_size * self.ctx.pp_size > 1):
             return
         sched = self.config.scheduler
         max_batch = min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_GRAPH_BATCH)

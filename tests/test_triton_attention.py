@@ -114,18 +114,20 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
     some); `follow_up` runs after `prompts`, for a prefix hit."""
     from treadle import LLM, SamplingParams
 
-    llm = LLM(path, device=device_name, attention_backend="triton", dtype="float32",
-              block_size=BLOCK_SIZE, max_num_batched_tokens=16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    assert llm.engine.core.executor.worker.runner.attention.name == "triton"
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    hit = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)[0]
-    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
-    return {"tokens": [o.outputs[0].token_ids for o in outs] + [hit.outputs[0].token_ids],
-            "cached": hit.num_cached_tokens,
-            "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens}
+    # Closed at the end: on a GPU the next engine in this process sizes its cache against what
+    # this one leaves free.
+    with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
+             block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
+        assert llm.engine.core.executor.worker.runner.attention.name == "triton"
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        hit = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)[0]
+        llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+        return {"tokens": [o.outputs[0].token_ids for o in outs] + [hit.outputs[0].token_ids],
+                "cached": hit.num_cached_tokens,
+                "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens}
 
 
 def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
@@ -137,20 +139,21 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
     from treadle import LLM, SamplingParams
     from treadle.worker.cuda_graphs import DecodeGraphs
 
-    llm = LLM(path, device=device_name, attention_backend="triton", dtype="float32",
-              block_size=BLOCK_SIZE, max_num_seqs=8)
-    runner = llm.engine.core.executor.worker.runner
-    if device_name == "cpu":
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
-                                     runner.slots.block_table.shape[1], runner.device, capture=False)
-    graphs = runner.graphs
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
-    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
-    return {"together": [o.outputs[0].token_ids for o in together],
-            "alone": [o.outputs[0].token_ids for o in alone],
-            "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs)}
+    with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
+             block_size=BLOCK_SIZE, max_num_seqs=8) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        if device_name == "cpu":
+            runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
+                                         runner.slots.block_table.shape[1], runner.device,
+                                         capture=False)
+        graphs = runner.graphs
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+        return {"together": [o.outputs[0].token_ids for o in together],
+                "alone": [o.outputs[0].token_ids for o in alone],
+                "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs)}
 
 
 def run_connector_arrivals(path: str, store: str, stale: list[list[int]],

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from treadle.core.scheduler_output import TokenLogprobs
 from treadle.sampling_params import SamplingParams
 from treadle.worker.sampler import (Sampler, SamplingRow, apply_logit_bias, apply_penalties,
-                                    logprobs_lists, token_logprobs)
+                                    logprobs_lists)
 
 V = 8
 
@@ -243,6 +244,18 @@ def test_greedy_rows_take_the_argmax_without_an_fp32_copy(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "float", no_copy)
     assert Sampler(torch.device("cpu"))(logits, [row(temperature=0)] * 4)[0] == expected
+
+
+def token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """One row's logprobs the plain way: the reference for the batched form."""
+    chosen = logprobs[token_id]
+    rank = int((logprobs > chosen).sum().item()) + 1
+    ids, values = [token_id], [float(chosen)]
+    if num_top > 0:
+        top_vals, top_ids = logprobs.topk(num_top)
+        ids += top_ids.tolist()
+        values += top_vals.tolist()
+    return TokenLogprobs(token_ids=ids, logprobs=values, rank=rank)
 
 
 def test_prompt_logprobs_in_one_batch_equal_them_row_by_row():

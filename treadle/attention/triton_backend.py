@@ -25,6 +25,13 @@ import torch
 from treadle.attention.backend import AttentionBackend, AttentionMetadata, PagedAttention, count_decodes
 
 
+def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as a host tensor to copy to `device`: pinned for CUDA, whence a non-blocking copy
+    does not wait for the GPU (from pageable memory it would)."""
+    host = torch.from_numpy(array)
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 @dataclass
 class TritonMetadata(AttentionMetadata):
     block_table: torch.Tensor    # [num_reqs, max_blocks] int32, up to the longest sequence's
@@ -105,12 +112,8 @@ class TritonBackend(AttentionBackend):
                               query_start_t, splits, rest_t if splits > 1 else None)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """`array` on the device. On CUDA from pinned memory without blocking: a copy from pageable
-        memory would wait for the GPU."""
-        host = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """`array` on the device, without blocking on CUDA."""
+        return host_tensor(array, self.device).to(self.device, non_blocking=True)
 
     def _kv_splits(self, decode_seq_lens: np.ndarray) -> int:
         """How many key ranges each decode is cut into: 1 for none, or for many decodes."""

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.attention.triton_unified import LOG2E, TILE_N, dot_in_fp32, load_kv_tile, tile_sizes
+from treadle.attention.triton_unified import (LOG2E, TILE_N, dot_in_fp32, load_kv_tile,
+                                              online_softmax_step, tile_sizes)
 
 
 @triton.jit
@@ -54,20 +55,8 @@ def _split_decode_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims,
                             dim_ok, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
                             stride_vh, BLOCK_SIZE)
-        if FP32_DOT:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = tl.where(key_ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2,
+                                            FP32_DOT)
 
     # An empty range (past the sequence's end) leaves l_i 0: its lse is -inf, its weight 0.
     nonempty = l_i > 0

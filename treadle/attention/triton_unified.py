@@ -49,6 +49,28 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dim
     return k, v
 
 
+@triton.jit
+def online_softmax_step(q, k, v, s_ok, m_i, l_i, acc, scale_log2, FP32_DOT: tl.constexpr):
+    """One key tile of an online softmax in base 2: scores q @ k (where `s_ok`, else -inf), the
+    running max m_i and sum l_i, and acc rescaled and added p @ v. Returns (m_i, l_i, acc)."""
+    if FP32_DOT:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = tl.where(s_ok, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with every key masked so far (padding rows) keep a finite shift, not -inf - -inf.
+    m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether the kernels' dots run in fp32 (ieee): for fp32 inputs, and under the interpreter."""
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
@@ -120,23 +142,8 @@ def _unified_attention_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims,
                             dim_ok, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
                             stride_vh, BLOCK_SIZE)
-        if FP32_DOT:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2
-        s = tl.where(key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with every key masked so far (padding rows) keep a finite shift, not -inf - -inf.
-        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        causal = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        m_i, l_i, acc = online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, FP32_DOT)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh

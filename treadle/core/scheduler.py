@@ -349,11 +349,16 @@ class Scheduler:
         self._choose_rope(request)
         self.waiting.add(request, front=True)
 
+    def _past_short_rope(self, request: Request) -> bool:
+        """Whether a request on the short factors is longer than the original context (see
+        `long_rope_after`)."""
+        return (self.long_rope_after is not None and not request.long_rope
+                and request.num_tokens > self.long_rope_after)
+
     def _choose_rope(self, request: Request) -> None:
         """A request with nothing computed takes LongRoPE's long factors once it is longer
-        than the original context (see `long_rope_after`)."""
-        if (self.long_rope_after is not None and not request.long_rope
-                and request.num_tokens > self.long_rope_after):
+        than the original context."""
+        if self._past_short_rope(request):
             request.use_long_rope()
 
     def _grew_past_short_rope(self, request: Request) -> bool:
@@ -361,8 +366,7 @@ class Scheduler:
         the original context, with nothing of it in flight: all it computed is recomputed
         with the long ones. (Its last short step is waited for: the token it samples is the
         short factors' answer, as in transformers.)"""
-        return (self.long_rope_after is not None and not request.long_rope
-                and request.num_tokens > self.long_rope_after and not request.num_in_flight_steps)
+        return self._past_short_rope(request) and not request.num_in_flight_steps
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:

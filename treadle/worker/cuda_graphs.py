@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from treadle.attention.triton_backend import TritonMetadata
+from treadle.attention.triton_backend import TritonMetadata, host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +98,11 @@ class DecodeGraphs:
         width = min(block_table.shape[1], self.block_table.shape[1])
         for buffer, values in ((self.input_ids, input_ids), (self.positions, positions),
                                (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
-            buffer[:n].copy_(self._to_device(values.astype(np.int64 if buffer.dtype == torch.int64
-                                                           else np.int32)), non_blocking=True)
+            buffer[:n].copy_(host_tensor(values.astype(np.int64 if buffer.dtype == torch.int64
+                                                       else np.int32), self.device),
+                             non_blocking=True)
         self.block_table[:n, :width].copy_(
-            self._to_device(np.ascontiguousarray(block_table[:, :width], dtype=np.int32)),
+            host_tensor(np.ascontiguousarray(block_table[:, :width], dtype=np.int32), self.device),
             non_blocking=True)
         if size > n:
             self.input_ids[n:size] = 0
@@ -109,11 +110,6 @@ class DecodeGraphs:
             self.slot_mapping[n:size] = -1
             self.seq_lens[n:size] = 1
             self.block_table[n:size] = 0
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        # From pinned memory a copy does not wait for the GPU.
-        return host.pin_memory() if self.device.type == "cuda" else host
 
     def _metadata(self, size: int) -> TritonMetadata:
         return TritonMetadata(self.slot_mapping[:size], size, self.block_table[:size],

@@ -23,7 +23,7 @@ from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.device import worker_device
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
-from treadle.worker.sampler import Sampler, SamplingRow, token_logprobs
+from treadle.worker.sampler import Sampler, SamplingRow, logprobs_lists
 from treadle.worker.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -370,7 +370,7 @@ class ModelRunner:
             rows = torch.arange(int(starts[i]), int(starts[i]) + stop - first, device=self.device)
             lps = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
             targets = self.slots.token_ids[slot, first + 1:stop + 1]
-            out[rid] = (first + 1, [token_logprobs(lps[j], int(t), num_top) for j, t in enumerate(targets)])
+            out[rid] = (first + 1, logprobs_lists(lps, targets, num_top))
         return out
 
     # -- RL controls: weights and sleep ------------------------------------------------
@@ -431,7 +431,8 @@ class ModelRunner:
         if self.kv_caches and not self._weights_discarded:
             if self.graphs is None:
                 self.capture_decode_graphs()
-            self._keep_graphs_valid()
+            else:
+                self._keep_graphs_valid()
 
     def _materialize_weights(self) -> None:
         """Uninitialised memory for every parameter, for a load to fill."""

@@ -295,17 +295,3 @@ def logprobs_lists(logprobs: torch.Tensor, token_ids: torch.Tensor | list[int], 
     """Prompt logprobs: `batched_logprobs` for rows that all keep `num_top`, as Python lists."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=logprobs.device)
     return batched_logprobs(logprobs, ids, [num_top] * len(ids)).to_lists()
-
-
-def token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    """One row's `logprobs_lists`, for a caller that walks rows itself (the model runner's prompt
-    logprobs, today): without a batch to share it, the tensor bookkeeping of the batched form
-    would cost more than the row's own work."""
-    chosen = logprobs[token_id]
-    rank = int((logprobs > chosen).sum().item()) + 1
-    ids, values = [token_id], [float(chosen)]
-    if num_top > 0:
-        top_vals, top_ids = logprobs.topk(num_top)
-        ids += top_ids.tolist()
-        values += top_vals.tolist()
-    return TokenLogprobs(token_ids=ids, logprobs=values, rank=rank)

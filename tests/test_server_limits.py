@@ -22,8 +22,9 @@ import pytest
 from tests.test_server import ERROR_KEYS, MODEL, Server, assert_error
 from treadle import AsyncLLM, SamplingParams
 
-LIMIT = 3_000_000   # bytes; the long prompt below is 2 MB
-LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * (2_000_000 // 45)
+LIMIT = 6_000_000   # bytes; the long prompt below is 4 MB
+# Long enough that tokenizing it takes well over a second: 2 MB took 0.8-1.0 s on a quiet Zen 5.
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * (4_000_000 // 45)
 CONTEXT = 256       # test_server's --max-model-len
 
 
@@ -60,7 +61,7 @@ def test_health_answers_while_a_long_prompt_is_tokenized(server):
     sender.join()
     assert_error(done["status"], done["body"], 400)
     assert "max_model_len" in done["body"]["error"]["message"]
-    # Tokenizing 2 MB takes seconds; on the event loop, one /health would wait for all of it.
+    # Tokenizing 4 MB takes seconds; on the event loop, one /health would wait for all of it.
     assert done["seconds"] > 1.0, done
     assert len(waits) >= 10 and max(waits) < done["seconds"] / 3, (max(waits), done["seconds"])
 

@@ -10,6 +10,9 @@ download):
     .venv/bin/python benchmarks/model_families.py window
         KV blocks a windowed Mistral holds on a long prompt, at their peak while it runs,
         against the whole sequence's blocks (what a cache without the window's freeing holds).
+    .venv/bin/python benchmarks/model_families.py hybrid
+        The same for a Gemma 3 of five local layers to a global one, with a block table per
+        group of layers (core/kv_cache_groups.py), against one table for every layer.
 
 Time nothing else while one runs: the machine has two cores.
 """
@@ -113,6 +116,42 @@ def window(prompt_len: int, window_len: int, block_size: int) -> None:
     print(f"saved: {1 - peak / whole:.0%}")
 
 
+def hybrid(prompt_len: int, window_len: int, block_size: int) -> None:
+    """A 6-layer Gemma 3 (five local layers, then a global one) with Gemma-3-12B's window; the
+    layer-blocks it holds at their peak (each group's block serves one layer here), against
+    one table for every layer holding the whole sequence, priced at Gemma-3-12B's KV (48 layers
+    in the same 5:1 pattern, 8 KV heads of 256, bf16: 384 KiB a token)."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    with tempfile.TemporaryDirectory() as folder:
+        path = make_tiny_checkpoint("gemma3", folder, tie_word_embeddings=False,
+                                    sliding_window=window_len, layer_types=layer_types,
+                                    num_hidden_layers=6, max_position_embeddings=prompt_len + 64)
+        blocks_needed = 6 * (-(-(prompt_len + 16) // block_size)) + 1
+        with LLM(path, dtype="float32", block_size=block_size, num_kv_blocks=blocks_needed,
+                 max_num_batched_tokens=512, enable_prefix_caching=False) as llm:
+            engine = llm.engine
+            kv = engine.core.scheduler.kv_cache
+            assert kv.num_groups == 6 and engine.core.config.cache.kv_groups.group_size == 1
+            engine.add_request("long", {"prompt_token_ids": list(range(100, 100 + prompt_len))},
+                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            peak = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                peak = max(peak, kv.pool.num_usable_blocks - kv.pool.num_free_blocks)
+            freed = kv.num_window_freed_blocks
+    whole = 6 * -(-(prompt_len + 16) // block_size)   # layer-blocks: a block per layer
+    per_layer_token_12b = 8 * (2 * 8 * 256 * 2)   # a layer here stands for 8 of 12B's: 64 KiB a token
+    print(f"prompt {prompt_len} + 16 output tokens, window {window_len}, blocks of {block_size}, "
+          f"chunks of 512: {freed} blocks given back while it ran")
+    print("| | layer-blocks held at peak | Gemma-3-12B bf16 KV at that |")
+    print("|---|---|---|")
+    for name, n in (("one table, whole sequence", whole), ("a table per group", peak)):
+        print(f"| {name} | {n} | {n * block_size * per_layer_token_12b / MIB:.0f} MiB |")
+    print(f"saved: {1 - peak / whole:.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="part", required=True)
@@ -122,13 +161,19 @@ def main() -> None:
     win.add_argument("--prompt-len", type=int, default=16384)
     win.add_argument("--window", type=int, default=4096)
     win.add_argument("--block-size", type=int, default=16)
+    hyb = sub.add_parser("hybrid")
+    hyb.add_argument("--prompt-len", type=int, default=16384)
+    hyb.add_argument("--window", type=int, default=1024)
+    hyb.add_argument("--block-size", type=int, default=16)
     ns = parser.parse_args()
     if ns.part == "moe-checkpoint":
         print(f"{build_model(ns.dir, MOE_300M) / 1e6:.0f}M parameters at {ns.dir}")
     elif ns.part == "moe-bytes":
         moe_bytes(ns.dir)
-    else:
+    elif ns.part == "window":
         window(ns.prompt_len, ns.window, ns.block_size)
+    else:
+        hybrid(ns.prompt_len, ns.window, ns.block_size)
 
 
 if __name__ == "__main__":

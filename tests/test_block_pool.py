@@ -76,14 +76,14 @@ def test_prefix_hit_never_evicts_the_blocks_it_hit():
     kv.free(r1)                                       # all 3 free, the 2 full ones cached
     r2 = req("b", list(range(8)) + [99, 98, 97, 96, 95])
     hits, n = kv.get_computed_blocks(r2)
-    assert n == 8 and len(hits) == 2
+    assert n == 8 and len(hits) == 1 and len(hits[0]) == 2   # one KV cache group
     # 13 tokens need 4 blocks; 2 are hits, 2 new ones but only 1 block is not a hit: refuse.
     assert kv.allocate_slots(r2, 5, hits, n) is None
-    assert all(kv.pool.get_cached_block(b.block_hash) is b for b in hits)
+    assert all(kv.pool.get_cached_block(b.block_hash) is b for b in hits[0])
     r3 = req("c", list(range(8)) + [99, 98])
     hits, n = kv.get_computed_blocks(r3)
     assert kv.allocate_slots(r3, 2, hits, n) is not None
-    assert kv.get_block_ids("c")[:2] == [b.block_id for b in hits]
+    assert kv.get_block_ids("c")[0][:2] == [b.block_id for b in hits[0]]
     kv.free(r3)
     kv.assert_no_leaks()
 
@@ -124,8 +124,8 @@ def test_shared_prefix_blocks_are_refcounted():
     kv.allocate_slots(r1, 10)
     hits, n = kv.get_computed_blocks(r2)
     kv.allocate_slots(r2, 10 - n, hits, n)
-    shared = kv.req_to_blocks["a"][:2]
-    assert kv.req_to_blocks["b"][:2] == shared and all(b.ref_cnt == 2 for b in shared)
+    shared = kv.req_to_blocks["a"][0][:2]
+    assert kv.req_to_blocks["b"][0][:2] == shared and all(b.ref_cnt == 2 for b in shared)
     kv.free(r1)
     assert all(b.ref_cnt == 1 for b in shared)
     kv.free(r2)
@@ -136,7 +136,7 @@ def test_freeing_tail_first_keeps_shared_prefix_longest():
     kv = KVCacheManager(num_blocks=5, block_size=BS)  # 4 usable
     r1 = req("a", list(range(12)))
     kv.allocate_slots(r1, 12)
-    ids = kv.get_block_ids("a")
+    ids = kv.get_block_ids("a")[0]
     kv.free(r1)
     # The tail block sits nearest the head of the free queue, so it is evicted first.
     order = [b.block_id for b in kv.pool.free_queue]

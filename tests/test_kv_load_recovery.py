@@ -87,8 +87,8 @@ def test_a_failed_load_cuts_back_only_its_request_to_the_first_bad_block(depth):
     a = add_stored(runner, store, "a", 21, first_token=100)   # blocks 0-4 stored
     b = add_stored(runner, store, "b", 13, first_token=500)   # blocks 0-2 stored
     so = runner.schedule()
-    assert so.kv_loads == {"a": (0, so.scheduled_new_reqs[0].block_ids[:5], a.tenancy),
-                           "b": (0, so.scheduled_new_reqs[1].block_ids[:3], b.tenancy)}
+    assert so.kv_loads == {"a": (0, so.scheduled_new_reqs[0].block_ids[0][:5], a.tenancy),
+                           "b": (0, so.scheduled_new_reqs[1].block_ids[0][:3], b.tenancy)}
     assert so.num_scheduled_tokens == {"a": 1, "b": 1}        # only the last token computes
     if depth == 2:
         runner.schedule()                                      # decodes on top of the failed step
@@ -233,7 +233,7 @@ def test_a_finished_requests_blocks_stay_held_until_they_are_sent(depth, abort):
     else:
         while "a" in sched.requests:
             runner.pump(depth)
-    assert a.is_finished and a.kv_transfer_params == {"blocks": sched.kv_cache.get_block_ids("a")}
+    assert a.is_finished and a.kv_transfer_params == {"blocks": sched.kv_cache.get_connector_block_ids("a")}
     assert sched.kv_cache.holds_blocks("a") and sched.has_unfinished_requests()
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("a", 5))

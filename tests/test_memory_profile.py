@@ -57,9 +57,9 @@ def test_the_profile_step_is_the_largest_step_the_scheduler_can_give(num_tokens,
     assert sum(lengths) == step.total_num_scheduled_tokens == num_tokens
     assert len(lengths) == min(num_tokens, max_num_seqs) and max(lengths) - min(lengths) <= 1
     assert set(step.num_in_flight_tokens) == set(step.num_scheduled_tokens)   # all sample
-    blocks = [b for r in step.scheduled_new_reqs for b in r.block_ids]
+    blocks = [b for r in step.scheduled_new_reqs for b in r.block_ids[0]]
     assert sorted(blocks) == list(range(1, num_blocks))   # the null block is not taken
-    assert all(len(r.block_ids) * 16 >= len(r.token_ids) for r in step.scheduled_new_reqs)
+    assert all(len(r.block_ids[0]) * 16 >= len(r.token_ids) for r in step.scheduled_new_reqs)
 
 
 def test_the_profile_step_runs_the_real_model_and_leaves_the_runner_as_it_was(llama):

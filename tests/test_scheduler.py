@@ -7,6 +7,7 @@ from typing import Callable
 import pytest
 
 from treadle.config import CacheConfig, SchedulerConfig
+from treadle.core.kv_cache_groups import KVCacheGroups
 from treadle.core.scheduler import Scheduler
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.request import Request, RequestStatus
@@ -18,12 +19,19 @@ BS = 4
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, budget=64, chunked=True, policy="fcfs",
                    max_model_len=256, caching=True, window=None) -> Scheduler:
-    """`window`: every layer's sliding window (blocks behind it are given back)."""
+    """`window`: every layer's sliding window (blocks behind it are given back); a tuple: each
+    KV cache group's (core/kv_cache_groups.py)."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         scheduling_policy=policy, enable_chunked_prefill=chunked),
-        CacheConfig(block_size=BS, enable_prefix_caching=caching, sliding_window=window),
+        CacheConfig(block_size=BS, enable_prefix_caching=caching, kv_groups=groups_of(window)),
         num_blocks=num_blocks, max_model_len=max_model_len)
+
+
+def groups_of(window: int | None | tuple) -> KVCacheGroups:
+    """KV cache groups with these windows, a layer each."""
+    windows = window if isinstance(window, tuple) else (window,)
+    return KVCacheGroups(windows, tuple(range(len(windows))), (0,) * len(windows))
 
 
 def make_request(rid: str, prompt_len: int, *, first_token: int = 100, priority: int = 0,

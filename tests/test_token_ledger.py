@@ -69,6 +69,7 @@ def random_drafts(rng: random.Random) -> Proposer:
 
 
 POISON = object()   # KV computed on top of a block that failed to load
+HASH_BYTES = 32      # a block hash: sha256 (treadle/request.py hash_block)
 
 
 def prefix_keys(tokens: list[int], gen: int) -> list[int]:
@@ -101,16 +102,20 @@ class KVOracle:
     that a real connector's worker side loads into and saves from; `worker` is then that
     connector's worker side, which lands the loads instead of the oracle.
 
-    With a sliding `window` (every layer's), a step reads only the keys in its first query's
-    window, and the tables' leading entries the scheduler gave back are the null block (0), as
-    in the workers: a block given back while a window still needs it reads the null block or
-    another request's KV, and fails. The null block is never written.
+    `windows`: each KV cache group's sliding window (None: full attention). A request has a
+    table per group; every step writes each new token in every group's table, and a group
+    with a window reads only the keys in its first query's window. The tables' leading entries
+    the scheduler gave back are the null block (0), as in the workers: a block given back while
+    a window still needs it reads the null block or another request's KV, and fails. The null
+    block is never written.
     """
 
-    def __init__(self, block_size: int, slots=None, worker=None, window: int | None = None) -> None:
+    def __init__(self, block_size: int, slots=None, worker=None,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.block_size = block_size
-        self.window = window
-        self.tables: dict[str, list[int]] = {}          # the workers' block table per request
+        self.windows = windows
+        # The workers' block tables per request, one per group.
+        self.tables: dict[str, list[list[int]]] = {}
         self.slots = {} if slots is None else slots     # (block, offset) -> prefix key
         self.worker = worker
         # Requests whose KV load failed, until the workers drop their slot: every step of
@@ -138,7 +143,7 @@ class KVOracle:
         start: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             rid = new.req_id
-            self.tables[rid] = list(new.block_ids)
+            self.tables[rid] = [list(ids) for ids in new.block_ids]
             start[rid] = new.num_computed_tokens
             load_gen = self.load_gen.pop(rid, None)
             self.gen_of[rid] = load_gen if load_gen is not None and rid in returning else self.gen
@@ -148,8 +153,9 @@ class KVOracle:
         for rid, blocks, num_computed, num_null in zip(
                 cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                 cached.num_null_blocks, strict=True):
-            self.tables[rid] += blocks
-            self.tables[rid][:num_null] = [0] * num_null
+            for table, ids, n_null in zip(self.tables[rid], blocks, num_null, strict=True):
+                table += ids
+                table[:n_null] = [0] * n_null
             start[rid] = num_computed
         keys: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
@@ -172,18 +178,21 @@ class KVOracle:
                         self.slots[(block, offset)] = keys[rid][i * self.block_size + offset]
         for rid, n in so.num_scheduled_tokens.items():
             for pos in range(start[rid], start[rid] + n):   # every write lands before any read
-                assert self._slot(rid, pos)[0] != 0, f"{rid} writes position {pos} to the null block"
-                self.slots[self._slot(rid, pos)] = POISON if rid in self.poisoned else keys[rid][pos]
+                for g in range(len(self.windows)):
+                    slot = self._slot(rid, pos, g)
+                    assert slot[0] != 0, f"{rid} writes position {pos} to the null block (group {g})"
+                    self.slots[slot] = POISON if rid in self.poisoned else keys[rid][pos]
         for rid, prefix in keys.items():
             if rid in self.poisoned:
                 continue   # it reads a block that never arrived: its steps are recovered from
-            first_read = 0 if self.window is None else max(0, start[rid] - self.window + 1)
-            for pos, key in enumerate(prefix[first_read:], start=first_read):
-                assert self.slots.get(self._slot(rid, pos)) == key, (
-                    f"{rid} reads position {pos} from block {self._slot(rid, pos)[0]}, "
-                    "which does not hold its KV" + (
-                        "" if self.slots.get(self._slot(rid, pos)) is not None
-                        else " (never written)"))
+            for g, window in enumerate(self.windows):
+                first_read = 0 if window is None else max(0, start[rid] - window + 1)
+                for pos, key in enumerate(prefix[first_read:], start=first_read):
+                    slot = self._slot(rid, pos, g)
+                    assert self.slots.get(slot) == key, (
+                        f"{rid} reads position {pos} from block {slot[0]} (group {g}), which does "
+                        "not hold its KV" + ("" if self.slots.get(slot) is not None
+                                             else " (never written)"))
         return invalid
 
     def load(self, rid: str, first: int, block_ids: list[int],
@@ -210,13 +219,14 @@ class KVOracle:
         for block_hash, block in hash_to_block.items():
             if block.block_id in exempt:
                 continue
-            keys = prefix_keys(tokens_of[block_hash], self.gen)
+            # A group's key past the first is the block's hash and one byte (group_hash).
+            keys = prefix_keys(tokens_of[block_hash[:HASH_BYTES]], self.gen)
             for offset, key in enumerate(keys[-self.block_size:]):
                 assert self.slots.get((block.block_id, offset)) == key, (
                     f"block {block.block_id} is published, but slot {offset} does not hold its KV")
 
-    def _slot(self, rid: str, pos: int) -> tuple[int, int]:
-        return self.tables[rid][pos // self.block_size], pos % self.block_size
+    def _slot(self, rid: str, pos: int, group: int = 0) -> tuple[int, int]:
+        return self.tables[rid][group][pos // self.block_size], pos % self.block_size
 
 
 @dataclass
@@ -266,7 +276,7 @@ class AsyncRunner:
         self.at_abort: dict[str, list[int]] = {}   # what had been delivered when it was aborted
         self.scheduled_tokens: dict[str, int] = defaultdict(int)
         self.kv = KVOracle(sched.block_size, worker.slots if worker is not None else None, worker,
-                           sched.kv_cache.sliding_window)
+                           sched.kv_cache.group_windows)
         self.tokens_of_hash: dict[bytes, list[int]] = {}   # every block hash seen -> its tokens
         self.paused = False
         self.weight_updates = 0
@@ -326,7 +336,7 @@ class AsyncRunner:
         # Requests with a failed load in a step not yet returned, and every block they hold.
         failing = {rid for step in self.fifo for rid, (_, ids, _) in step.so.kv_loads.items()
                    if step.invalid_block_ids & set(ids) and step.names.get(rid) == self.current.get(rid)}
-        exempt = {b for rid in failing for b in self.sched.kv_cache.get_block_ids(rid)}
+        exempt = {b for rid in failing for b in self.sched.kv_cache.get_connector_block_ids(rid)}
         self.kv.check_published(self.sched.kv_cache.pool.hash_to_block, self.tokens_of_hash, exempt)
 
     def finish_async_loads(self) -> tuple[set[str], set[int]]:

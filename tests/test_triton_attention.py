@@ -144,7 +144,7 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
         runner = llm.engine.core.executor.worker.runner
         if device_name == "cpu":
             runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
-                                         runner.slots.block_table.shape[1], runner.device,
+                                         runner.slots.block_table.shape[2], runner.device,
                                          capture=False)
         graphs = runner.graphs
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

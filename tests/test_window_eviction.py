@@ -1,6 +1,6 @@
 """KV blocks that fall out of every sliding window are given back while their request runs.
 
-The scheduler with every layer windowed (CacheConfig.sliding_window), driven by the ledger
+The scheduler with every layer windowed (one KV cache group with a window), driven by the ledger
 test's driver: its KV oracle reads only each step's window, through the workers' view of the
 block table (leading entries given back point at the null block), so a block given back while
 a window still needs it, or reused by another request meanwhile, fails the read; and the null
@@ -26,29 +26,32 @@ from hypothesis import given, settings, strategies as st
 from tests.family_support import PretrainedReference as Reference
 from tests.kernel_support import needs_kernels
 from tests.test_kv_load_recovery import FakeStore
-from tests.test_scheduler import BS, make_request, make_scheduler
+from tests.test_scheduler import BS, groups_of, make_request, make_scheduler
 from tests.test_token_ledger import (AsyncRunner, perfect_drafts, random_drafts,
                                      run_random_requests)
 from tests.tiny_models import make_tiny_checkpoint
 from treadle import LLM, SamplingParams
-from treadle.config import CacheConfig, SchedulerConfig, every_layer_window
+from treadle.config import CacheConfig, SchedulerConfig, layer_windows
+from treadle.core.kv_cache_groups import kv_cache_groups
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.scheduler import Scheduler
 
 
 def check_window_state(sched: Scheduler) -> None:
-    """Each request's given-back blocks are its leading entries, all null, and lie wholly before
-    the window of the earliest query it can still make; the pool's invariants hold."""
+    """In each KV cache group, a request's given-back blocks are its leading entries, all null,
+    and lie wholly before the group's window of the earliest query it can still make (a group
+    without a window gives none back); the pool's invariants hold."""
     kv = sched.kv_cache
     null = kv.pool.null_block
-    for rid, blocks in kv.req_to_blocks.items():
-        n = kv.num_null_blocks(rid)
-        assert all(b is null for b in blocks[:n]) and all(b is not null for b in blocks[n:]), rid
-        request = sched.requests.get(rid)
-        if request is not None and n:
-            confirmed = min(request.num_computed_tokens, request.num_tokens)
-            assert n * BS <= confirmed - kv.sliding_window + 1, (
-                f"{rid}: {n} blocks given back, but a query at {confirmed} still reads them")
+    for rid, groups in kv.req_to_blocks.items():
+        assert len({len(blocks) for blocks in groups}) == 1, f"{rid}: tables of unequal length"
+        for blocks, n, window in zip(groups, kv.num_null_blocks(rid), kv.group_windows):
+            assert all(b is null for b in blocks[:n]) and all(b is not null for b in blocks[n:]), rid
+            request = sched.requests.get(rid)
+            if request is not None and n:
+                confirmed = min(request.num_computed_tokens, request.num_tokens)
+                assert window is not None and n * BS <= confirmed - window + 1, (
+                    f"{rid}: {n} blocks given back, but a query at {confirmed} still reads them")
     assert null.ref_cnt == 0 and null.block_hash is None
     kv.pool.check_invariants()
 
@@ -80,8 +83,8 @@ def test_blocks_behind_the_window_are_given_back_as_the_request_runs():
         so = runner.schedule()
         if "r" in sched.requests:
             confirmed = min(r.num_computed_tokens - so.num_scheduled_tokens["r"], r.num_tokens)
-            assert sched.kv_cache.num_null_blocks("r") == max(0, confirmed - window + 1) // BS
-            seen.append(sched.kv_cache.num_null_blocks("r"))
+            assert sched.kv_cache.num_null_blocks("r") == [max(0, confirmed - window + 1) // BS]
+            seen.append(sched.kv_cache.num_null_blocks("r")[0])
         runner.complete()
     runner.check_ledger()
     # The last step's query sits at 48 and reads 43..48: blocks 0-9 went, in chunks and
@@ -98,16 +101,16 @@ def test_given_back_blocks_go_to_another_request_while_the_first_runs():
     held = set()
     for _ in range(4):
         so = runner.schedule()
-        held |= {b for new in so.scheduled_new_reqs for b in new.block_ids}
-        held |= {b for ids in so.scheduled_cached_reqs.new_block_ids for b in ids}
+        held |= {b for new in so.scheduled_new_reqs for b in new.block_ids[0]}
+        held |= {b for ids in so.scheduled_cached_reqs.new_block_ids for b in ids[0]}
         runner.complete()
-    released = held - set(sched.kv_cache.get_block_ids("a"))
+    released = held - set(sched.kv_cache.get_block_ids("a")[0])
     # The last chunk's first query sat at 24 and read 20..: blocks 0-4 went, 5-7 are held.
-    assert len(released) == sched.kv_cache.num_null_blocks("a") == 5
+    assert [len(released)] == sched.kv_cache.num_null_blocks("a") == [5]
     assert sched.kv_cache.num_free_blocks == 8 - 3
     runner.add(make_request("b", 12, first_token=500, max_tokens=4))
     runner.schedule()
-    assert set(sched.kv_cache.get_block_ids("b")) & released
+    assert set(sched.kv_cache.get_block_ids("b")[0]) & released
     assert sched.requests["a"] in sched.running
     runner.drain(1)
     runner.check_ledger()
@@ -129,7 +132,7 @@ def test_drafts_and_async_steps_never_lose_a_block_their_window_needs(depth, dra
 
 
 def test_a_window_hit_needs_only_the_blocks_its_first_query_reads():
-    kv = KVCacheManager(32, BS, sliding_window=9)   # a query reads 8 keys back: 2 blocks
+    kv = KVCacheManager(32, BS, group_windows=(9,))   # a query reads 8 keys back: 2 blocks
     null = kv.pool.null_block
     r = make_request("r", 30)   # 7 full blocks; a hit may cover blocks 0-6
     blocks = kv.pool.get_new_blocks(7)
@@ -139,13 +142,13 @@ def test_a_window_hit_needs_only_the_blocks_its_first_query_reads():
             kv.pool.cache_block(blocks[i], r.block_hashes[i])
 
     cache(0)
-    assert kv.get_computed_blocks(r) == ([blocks[0]], 4)   # shorter than a window: from 0 on
+    assert kv.get_computed_blocks(r) == ([[blocks[0]]], 4)   # shorter than a window: from 0 on
     cache(3, 4)
-    assert kv.get_computed_blocks(r) == ([null] * 3 + blocks[3:5], 20)
+    assert kv.get_computed_blocks(r) == ([[null] * 3 + blocks[3:5]], 20)
     cache(6)   # alone at the top: its window needs block 5 too
-    assert kv.get_computed_blocks(r) == ([null] * 3 + blocks[3:5], 20)
+    assert kv.get_computed_blocks(r) == ([[null] * 3 + blocks[3:5]], 20)
     cache(5)
-    assert kv.get_computed_blocks(r) == ([null] * 5 + blocks[5:7], 28)
+    assert kv.get_computed_blocks(r) == ([[null] * 5 + blocks[5:7]], 28)
 
 
 def test_a_prefix_hit_after_the_chain_head_was_evicted_takes_only_its_window():
@@ -163,31 +166,34 @@ def test_a_prefix_hit_after_the_chain_head_was_evicted_takes_only_its_window():
     runner.schedule()
     assert b.num_cached_tokens == 28   # 7 blocks, the last token recomputed
     # A query at 28 reads 24..28: block 6 is held, blocks 0-5 are null entries.
-    assert sched.kv_cache.num_null_blocks("b") == 6
+    assert sched.kv_cache.num_null_blocks("b") == [6]
     top = pool.get_cached_block(b.block_hashes[6])
-    assert sched.kv_cache.get_block_ids("b")[:7] == [0] * 6 + [top.block_id]
+    assert sched.kv_cache.get_block_ids("b")[0][:7] == [0] * 6 + [top.block_id]
     runner.drain(1)
     runner.check_ledger()
 
 
-def test_a_connector_or_a_full_attention_layer_keeps_every_block():
+def test_a_connector_keeps_every_block_and_the_windows_come_from_the_config():
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
-    cache = CacheConfig(block_size=BS, sliding_window=5)
-    assert Scheduler(config, cache, 64, 256).kv_cache.sliding_window == 5
+    cache = CacheConfig(block_size=BS, kv_groups=groups_of(5))
+    assert Scheduler(config, cache, 64, 256).kv_cache.group_windows == (5,)
     connected = Scheduler(config, cache, 64, 256, connector=FakeStore(False, False, None))
-    assert connected.kv_cache.sliding_window is None
-    mistral = SimpleNamespace(sliding_window=4096)
-    assert every_layer_window(mistral) == 4096
-    assert every_layer_window(SimpleNamespace(sliding_window=None)) is None
-    assert every_layer_window(SimpleNamespace(sliding_window=32, use_sliding_window=False)) is None
+    assert connected.kv_cache.group_windows == (None,)
+
+    def windows(**config) -> tuple:
+        return kv_cache_groups(layer_windows(SimpleNamespace(num_hidden_layers=4, **config))).group_windows
+
+    assert windows(sliding_window=4096) == (4096,)   # Mistral
+    assert windows(sliding_window=None) == (None,)
+    assert windows(sliding_window=32, use_sliding_window=False) == (None,)
     local = ["sliding_attention"] * 4
-    assert every_layer_window(SimpleNamespace(sliding_window=24, layer_types=local)) == 24
-    hybrid = local[:3] + ["full_attention"]
-    assert every_layer_window(SimpleNamespace(sliding_window=24, layer_types=hybrid)) is None
+    assert windows(sliding_window=24, layer_types=local) == (24,)
+    # A global layer among them: a group of its own (tests/test_kv_cache_groups.py).
+    assert windows(sliding_window=24, layer_types=local[:3] + ["full_attention"]) == (None, 24, 24, 24)
 
 
 def test_the_null_block_is_never_freed():
-    kv = KVCacheManager(8, BS, sliding_window=5)
+    kv = KVCacheManager(8, BS, group_windows=(5,))
     with pytest.raises(AssertionError, match="null block"):
         kv.pool.free_blocks([kv.pool.null_block])
 
@@ -246,17 +252,17 @@ class ReuseLog:
         self.reused: list[tuple[int, str, str]] = []   # (block, given back by, taken by)
         release, allocate = kv._release_behind_window, kv.allocate_slots
 
-        def logged_release(request, num_confirmed):
-            before = kv.get_block_ids(request.request_id)
-            release(request, num_confirmed)
-            after = kv.get_block_ids(request.request_id)
+        def logged_release(request, group, num_confirmed):
+            before = kv.get_block_ids(request.request_id)[group]
+            release(request, group, num_confirmed)
+            after = kv.get_block_ids(request.request_id)[group]
             for b, a in zip(before, after):
                 if b != a:
                     self.released_by[b] = request.request_id
 
         def logged_allocate(request, *args, **kwargs):
             new = allocate(request, *args, **kwargs)
-            for block in new or ():
+            for block in (b for group in new or () for b in group):
                 owner = self.released_by.pop(block.block_id, None)
                 if owner is not None and owner != request.request_id and kv.holds_blocks(owner):
                     self.reused.append((block.block_id, owner, request.request_id))
@@ -303,7 +309,7 @@ def test_windowed_mistral_gives_back_blocks_mid_request_and_matches_transformers
              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}) as llm:
         sched = llm.engine.core.scheduler
-        assert sched.kv_cache.sliding_window == WINDOW
+        assert sched.kv_cache.group_windows == (WINDOW,)
         log = ReuseLog(sched.kv_cache)
         reads = MaskedReads(llm.engine.core.executor.worker.runner)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -326,7 +332,8 @@ def test_windowed_mistral_gives_back_blocks_mid_request_and_matches_transformers
 def test_gemma2_with_only_local_layers_gives_back_blocks_and_matches_transformers(
         tmp_path_factory, backend):
     """Gemma 2 (soft-capped scores) with every layer local: its blocks go as Mistral's do. With
-    a global layer among them (tests/test_gemma.py) nothing can go: see every_layer_window."""
+    a global layer among them, the local layers' blocks go while the global one keeps its own
+    (tests/test_kv_cache_groups.py)."""
     path = make_tiny_checkpoint("gemma2", tmp_path_factory.mktemp("tiny-gemma2-local"),
                                 tie_word_embeddings=False,
                                 layer_types=["sliding_attention"] * 3)
@@ -336,7 +343,7 @@ def test_gemma2_with_only_local_layers_gives_back_blocks_and_matches_transformer
     with LLM(path, dtype="float32", attention_backend=backend, block_size=BLOCK, num_kv_blocks=16,
              max_model_len=120, max_num_batched_tokens=16, max_num_seqs=3) as llm:
         kv = llm.engine.core.scheduler.kv_cache
-        assert kv.sliding_window == WINDOW
+        assert kv.group_windows == (WINDOW,)
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == want

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from treadle.validate import check_seconds
+from treadle.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, one_group
 from treadle.attention.backend import check_attention_backend
 from treadle.executor.registry import EXECUTORS
 
@@ -66,13 +67,19 @@ class CacheConfig:
     # the KV cache being what a profile step leaves of it (worker/memory_profile.py).
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # The window when every attention layer has one (`every_layer_window`), else None: a
-    # request's blocks behind it are freed while it runs (core/kv_cache_manager.py).
-    sliding_window: int | None = None
+    # Which layers share a block table, and each group's sliding window: a request's blocks
+    # behind a group's window are freed while it runs (core/kv_cache_groups.py, core/kv_cache_manager.py).
+    kv_groups: KVCacheGroups = dataclasses.field(default_factory=lambda: one_group([None]))
 
     def bytes_per_block(self, model: ModelConfig) -> int:
+        """Bytes of one block: it serves `group_size` layers (every layer, with one group)."""
         elem = torch.tensor([], dtype=model.dtype).element_size()
-        return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
+        return (2 * self.kv_groups.group_size * self.block_size * model.num_kv_heads
+                * model.head_dim * elem)
+
+    def capacity_tokens(self, num_blocks: int) -> int:
+        """The longest sequence the cache could ever hold, every group keeping all of it."""
+        return (num_blocks - 1) // self.kv_groups.num_groups * self.block_size
 
 
 @dataclass
@@ -362,7 +369,7 @@ class EngineArgs:
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             # Known before the weights load, so refused before: the engine checks it again
             # for a cache sized from a budget.
-            capacity = (self.num_kv_blocks - 1) * block_size
+            capacity = (self.num_kv_blocks - 1) * block_size   # (a hybrid model's is less)
             if max_model_len > capacity:
                 raise ValueError(
                     f"max_model_len ({max_model_len}) is more than the KV cache can hold "
@@ -386,7 +393,8 @@ class EngineArgs:
                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                 gpu_memory_utilization=self.gpu_memory_utilization,
                                 enable_prefix_caching=self.enable_prefix_caching,
-                                sliding_window=every_layer_window(hf_config))
+                                kv_groups=kv_cache_groups(layer_windows(hf_config),
+                                                          hybrid=kv_transfer is None))
         sched_cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                     max_num_batched_tokens=max_batched,
                                     scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
@@ -485,16 +493,17 @@ def sliding_window(hf_config: Any) -> int | None:
     return window if getattr(hf_config, "use_sliding_window", True) else None
 
 
-def every_layer_window(hf_config: Any) -> int | None:
-    """The sliding window when every attention layer has it (Mistral with a window, a Gemma
-    whose layer_types are all "sliding_attention"), else None. Only then can a KV block, shared
-    by all layers, fall out of every window; a model with any full-attention layer keeps its
-    whole sequence. Mirrors models/llama.py's `layer_window`."""
-    window = sliding_window(hf_config)
+def layer_window(hf_config: Any, index: int) -> int | None:
+    """Layer `index`'s sliding window, or None where it attends to every earlier token."""
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and any(t != "sliding_attention" for t in layer_types):
+    if layer_types is not None and layer_types[index] != "sliding_attention":
         return None
-    return window
+    return sliding_window(hf_config)
+
+
+def layer_windows(hf_config: Any) -> list[int | None]:
+    """Every layer's sliding window (None: full attention)."""
+    return [layer_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
 
 
 def _check_devices_per_rank(device: str, parallel: ParallelConfig) -> None:
@@ -627,10 +636,11 @@ def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None,
 
 
 def _default_cpu_blocks(config: TreadleConfig, per_block: int) -> tuple[int, str]:
-    """(blocks, why) for a CPU cache sized by default: every sequence at its longest, plus the
-    null block, unless memory bounds it first."""
+    """(blocks, why) for a CPU cache sized by default: every sequence at its longest in every
+    KV cache group, plus the null block, unless memory bounds it first."""
     max_seqs, max_len = config.scheduler.max_num_seqs, config.model.max_model_len
-    needed = max_seqs * -(-max_len // config.cache.block_size) + 1
+    num_groups = config.cache.kv_groups.num_groups
+    needed = max_seqs * num_groups * -(-max_len // config.cache.block_size) + 1
     world = config.parallel.world_size
     available = available_memory_bytes()
     bounds = [(needed, f"max_num_seqs {max_seqs} x max_model_len {max_len}"),

@@ -18,11 +18,12 @@ cache, so a request may read blocks another request of the same step is filling.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from treadle.core.kv_cache_groups import KVCacheGroups
 from treadle.registry import lookup
 
 # Backends by name, imported only when chosen (treadle/registry.py).
@@ -38,7 +39,9 @@ class PagedAttention:
     """One layer's attention as the model sees it: its shape on this rank, and a call that the
     step's metadata carries out. A query at position p sees keys at p - sliding_window + 1..p
     where the layer has a window (transformers' q_idx - kv_idx < sliding_window); scores are
-    soft-capped, logit_softcap * tanh(score / logit_softcap), where it has a cap (Gemma 2)."""
+    soft-capped, logit_softcap * tanh(score / logit_softcap), where it has a cap (Gemma 2).
+    `kv_group`: the KV cache group whose block table it reads (core/kv_cache_groups.py; the
+    runner sets it, `assign_kv_groups`)."""
 
     num_heads: int
     num_kv_heads: int
@@ -46,6 +49,7 @@ class PagedAttention:
     scale: float
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    kv_group: int = 0
 
     @property
     def group_size(self) -> int:
@@ -71,6 +75,19 @@ class AttentionMetadata(ABC):
         """Write k and v to `kv_cache`, then attend: [T, Hq, D] -> [T, Hq * D]."""
 
 
+@dataclass
+class GroupedMetadata(AttentionMetadata):
+    """A step's metadata for a model with several KV cache groups: one per group, each over its
+    group's block table; a layer attends through its own group's. (The base fields are group
+    0's: no layer reads them through this object.)"""
+
+    groups: list[AttentionMetadata]
+
+    def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        return self.groups[layer.kv_group].attend(layer, q, k, v, kv_cache)
+
+
 class AttentionBackend(ABC):
     """Builds each step's metadata for one device."""
 
@@ -92,6 +109,16 @@ class AttentionBackend(ABC):
         longest context first), every token's position, and one block-table row per request,
         padded with the null block 0."""
 
+    def build_group_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
+                             positions: np.ndarray, block_tables: np.ndarray) -> AttentionMetadata:
+        """`build_metadata` for each KV cache group's table (block_tables: [group, request,
+        block]); one group's is that group's metadata itself."""
+        metas = [self.build_metadata(query_lens, context_lens, positions, table)
+                 for table in block_tables]
+        if len(metas) == 1:
+            return metas[0]
+        return GroupedMetadata(metas[0].slot_mapping, metas[0].num_decodes, metas)
+
     def release(self) -> None:
         """Drop scratch memory (the cache is being freed: sleep)."""
 
@@ -107,6 +134,17 @@ class AttentionBackend(ABC):
         bs = self.block_size
         slots = block_table[req_of_token, positions // bs] * bs + positions % bs
         return slots.astype(np.int64)
+
+
+def assign_kv_groups(model: torch.nn.Module, groups: KVCacheGroups) -> None:
+    """Tell each of the model's attention layers on this stage its KV cache group, checking
+    that a windowed group's window is the layer's own."""
+    for i in model.model.layer_range:
+        attn = model.model.layers[i].self_attn
+        window = groups.window_of_layer(i)
+        assert window is None or window == attn.attn.sliding_window, (
+            f"layer {i} has window {attn.attn.sliding_window}, its KV cache group {window}")
+        attn.attn = replace(attn.attn, kv_group=groups.layer_group[i])
 
 
 def count_decodes(query_lens: np.ndarray, context_lens: np.ndarray) -> int:

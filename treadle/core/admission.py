@@ -68,7 +68,7 @@ def admit(scheduler: AdmittingScheduler, request: Request, budget: int, num_sche
         scheduler.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
         request.num_computed_tokens = num_hit
         if scheduler.connector is not None:
-            block_ids = scheduler.kv_cache.get_block_ids(rid)
+            block_ids = scheduler.kv_cache.get_connector_block_ids(rid)
             scheduler.connector.update_state_after_alloc(request, block_ids, num_external)
             first = num_hit // scheduler.block_size
             load = (first, block_ids[first:first + num_external // scheduler.block_size],

@@ -1,41 +1,49 @@
 """Per-request block lists on top of the block pool: prefix lookup, allocation, freeing.
 
+A request holds one block list per KV cache group (core/kv_cache_groups.py): one list for most
+models, where every layer reads the same table; one per group of layers for a model that mixes
+full-attention and sliding-window layers. Entry i of every list is block i of the sequence, and
+all lists take their blocks from the one pool. A list, and everything said below of one, is
+per group; the counts of published blocks are the request's, the same in every group.
+
 The publishing invariant: a block is published to the prefix cache (given its hash) only if
 every slot in it will have been written before any reader can run. Blocks are published at
 allocation, for tokens that are all known, because the step that allocates them writes their
 K/V before any attention reads. So when a step is taken back before it runs (a request
 preempted after it was given tokens this step), what it published must be withdrawn with
-`unpublish`: those slots will never be written.
+`unpublish`: those slots will never be written. A group's blocks are published under the
+block's hash salted with the group (`group_hash`): the same tokens have a block in each group.
 
-Sliding windows. When every attention layer has a window of W tokens (`sliding_window`, from
-CacheConfig), a query at position p reads keys p - W + 1..p only (attention/backend.py), so a
-block wholly before the window of the earliest query a request can still make is never read
-again. It is given back to the pool while the request runs, as vLLM's SlidingWindowManager does,
-and its entry in the request's list becomes the pool's null block, so entry i is still block i
-of the sequence (the null entries are always the leading ones). The earliest query a request can
-still make is at its confirmed count, min(num_computed_tokens, num_tokens): positions computed
-whose tokens are known. Drafts and async scheduling's optimistic advance are computed but not
-known, so rejecting drafts, the one rollback short of a preemption (which frees every block),
-never goes below it. Asserted at every allocation: no query of the step reads a released block.
-The workers are told each step how many leading blocks a request released
+Sliding windows. Where a group's layers have a window of W tokens, a query at position p reads
+keys p - W + 1..p only (attention/backend.py), so a block wholly before the window of the
+earliest query a request can still make is never read again by that group. It is given back to
+the pool while the request runs, as vLLM's SlidingWindowManager does, and its entry in the
+group's list becomes the pool's null block, so entry i is still block i of the sequence (the
+null entries are always the leading ones). The earliest query a request can still make is at
+its confirmed count, min(num_computed_tokens, num_tokens): positions computed whose tokens are
+known. Drafts and async scheduling's optimistic advance are computed but not known, so
+rejecting drafts, the one rollback short of a preemption (which frees every block), never goes
+below it. Asserted at every allocation: no query of the step reads a released block. The
+workers are told each step how many leading blocks of each group a request released
 (CachedRequestData.num_null_blocks) and point those entries at the null block before the step
-runs: another request may be writing the blocks in that very step.
+runs: another request may be writing the blocks in that very step. A full-attention group
+never gives a block back while the request runs.
 
 With prefix caching on, a block is published before it is given back (its tokens are all
 known by then); it keeps its hash and waits in the free queue, evictable (LRU), where a prefix
 lookup can still hit it. `num_window_freed_blocks` counts the blocks given back.
 
-A hit is decided as vLLM does for sliding-window layers: a hit of h blocks needs cached only
-the blocks the window of its first recomputed query (at h * block_size) reaches, the last
-cdiv(W - 1, block_size) of them (at least one), or all h blocks when the hit is that short.
-A block's hash names its whole token prefix, so its KV is right whatever became of the blocks
-before it; the hit's blocks before those it needs come as null entries, as if given back
-behind the window.
+A hit is decided as vLLM does for sliding-window layers: in a windowed group, a hit of h blocks
+needs cached only the blocks the window of its first recomputed query (at h * block_size)
+reaches, the last cdiv(W - 1, block_size) of them (at least one), or all h blocks when the hit
+is that short; a full-attention group needs all h. A block's hash names its whole token prefix,
+so its KV is right whatever became of the blocks before it; a windowed group's blocks before
+those it needs come as null entries, as if given back behind the window. With several groups,
+the hit is the longest that every group has: each group's longest within the others' shortest,
+until they agree.
 
-Models with any full-attention layer (Gemma 2/3, local and global layers interleaved) keep every
-block: one block list serves all layers, and no block leaves a global layer's view. vLLM's hybrid
-allocator gives each group of layers a table of its own; treadle does not (yet). A KV connector
-saves or sends a request's whole KV, so with one the scheduler passes no window here.
+A KV connector saves or sends a request's whole KV as one block list: with one configured,
+there is one group, and the scheduler passes no window here.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import logging
 import sys
 
 from treadle.core.block_pool import BlockPool, KVCacheBlock
-from treadle.request import Request
+from treadle.request import BlockHash, Request
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +61,31 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The key a group's block is published under: group 0's is the block's hash itself (so a
+    model with one group keys blocks as it always has); another group's has the group appended,
+    one byte on the fixed-length hash, so no two groups' keys meet."""
+    return block_hash if group == 0 else block_hash + bytes([group])
+
+
+# A request's blocks: one list per KV cache group.
+GroupBlocks = list[list[KVCacheBlock]]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
-        assert sliding_window is None or sliding_window > 0
+                 group_windows: tuple[int | None, ...] = (None,)) -> None:
+        assert group_windows and all(w is None or w > 0 for w in group_windows)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window   # every layer's; None: keep whole sequences
+        # Each group's sliding window (None: it keeps whole sequences).
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(group_windows)
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request were given back behind the window (its
-        # entries there are the null block).
-        self.num_released: dict[str, int] = {}
+        self.req_to_blocks: dict[str, GroupBlocks] = {}
+        # How many leading blocks of each request, per group, were given back behind the
+        # window (its entries there are the null block).
+        self.num_released: dict[str, list[int]] = {}
         self.num_window_freed_blocks = 0   # blocks given back behind windows, since start-up
         # How many leading blocks of each request have been offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -78,32 +99,41 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Longest cached prefix of `request`, in whole blocks, leaving at least one token to
-        compute; with a window, its leading entries may be the null block (see the module)."""
+        compute: the hit blocks of each group, and the tokens they hold. A windowed group's
+        leading entries may be the null block (see the module)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return [], 0
+            return [[] for _ in self.group_windows], 0
         # The last token is always recomputed: its logits are what the next sample needs.
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if self.sliding_window is not None:
-            hits = self._longest_window_hit(request.block_hashes[:max_blocks])
-            return hits, len(hits) * self.block_size
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        hits = [self._group_hit(g, hashes) for g in range(self.num_groups)]
+        while (n := min(len(h) for h in hits)) < max(len(h) for h in hits):
+            # Each group's longest within the shortest: a full-attention hit only shortens,
+            # a windowed one may find its window elsewhere, or not at all.
+            hits = [h if len(h) == n else self._group_hit(g, hashes[:n]) for g, h in enumerate(hits)]
+        return hits, n * self.block_size
+
+    def _group_hit(self, group: int, block_hashes: list) -> list[KVCacheBlock]:
+        """Group `group`'s longest hit within `block_hashes`."""
+        if self.group_windows[group] is not None:
+            return self._longest_window_hit(group, block_hashes)
         hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+        for block_hash in block_hashes:
+            block = self.pool.get_cached_block(group_hash(block_hash, group))
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits
 
-    def _longest_window_hit(self, block_hashes: list) -> list[KVCacheBlock]:
+    def _longest_window_hit(self, group: int, block_hashes: list) -> list[KVCacheBlock]:
         """The longest hit whose first recomputed query finds its window cached: the highest run
         of `needed` cached blocks, with null entries before it; or, short of such a run, the
         cached blocks from block 0 on."""
-        needed = max(1, cdiv(self.sliding_window - 1, self.block_size))
+        needed = max(1, cdiv(self.group_windows[group] - 1, self.block_size))
         run: list[KVCacheBlock] = []   # cached blocks, from the top of the run down
         for i in range(len(block_hashes) - 1, -1, -1):
-            block = self.pool.get_cached_block(block_hashes[i])
+            block = self.pool.get_cached_block(group_hash(block_hashes[i], group))
             if block is None:
                 run = []
                 continue
@@ -118,90 +148,100 @@ class KVCacheManager:
             self.prefix_hits += num_hit
 
     def can_fit(self, num_tokens: int) -> bool:
-        """Could a request of this many tokens ever be held, with every other block free?"""
-        return cdiv(num_tokens, self.block_size) <= self.pool.num_usable_blocks
+        """Could a request of this many tokens ever be held, with every other block free (every
+        group holding all of it: a windowed group's blocks may not have left yet)?"""
+        return self.num_groups * cdiv(num_tokens, self.block_size) <= self.pool.num_usable_blocks
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: GroupBlocks | None = None,
         num_new_computed_tokens: int = 0,
         num_external_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> GroupBlocks | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         The first `num_external_tokens` of them are loaded by a KV connector: from their first
         block on, nothing of the request is published until the load is known to have
         succeeded (`settle_loaded`), since everything it computes on top depends on it.
-        Returns the newly allocated blocks, or None (with nothing changed) when the pool is short.
-        With a sliding window, blocks behind the window of the step's first query are given
-        back afterwards (see the module's docstring).
+        Returns the newly allocated blocks of each group, or None (with nothing changed) when
+        the pool is short. With a sliding window, blocks behind the window of the step's first
+        query are given back afterwards (see the module's docstring).
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        hits = new_computed_blocks or [[] for _ in self.group_windows]
+        assert len(hits) == self.num_groups
+        groups = self.req_to_blocks.setdefault(rid, [[] for _ in self.group_windows])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total = num_computed + num_new_tokens
         num_required = cdiv(total, self.block_size)
-        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        num_new = [max(0, num_required - len(blocks) - len(hit)) for blocks, hit in zip(groups, hits)]
         # A hit under a window may start with null entries (see _longest_window_hit).
-        num_null_hits = sum(1 for b in new_computed_blocks if b is self.pool.null_block)
-        held_hits = new_computed_blocks[num_null_hits:]
+        num_null_hits = [sum(1 for b in hit if b is self.pool.null_block) for hit in hits]
+        held_hits = [b for hit, nulls in zip(hits, num_null_hits) for b in hit[nulls:]]
         # Hit blocks sitting in the free queue are about to leave it, so they are not allocatable.
         num_idle_hits = sum(1 for b in held_hits if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_idle_hits:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        if sum(num_new) > self.pool.num_free_blocks - num_idle_hits:
+            if not groups[0]:
+                del self.req_to_blocks[rid]
             return None
 
         self.pool.touch(held_hits)
-        if new_computed_blocks:
-            assert not blocks, "prefix hits come before a request holds any block"
+        if hits[0]:
+            assert not groups[0], "prefix hits come before a request holds any block"
             if self.enable_caching:   # hit blocks are published already
-                self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
-            if num_null_hits:
-                self.num_released[request.request_id] = num_null_hits
-        blocks.extend(new_computed_blocks)
-        if self.sliding_window is not None:
-            # The step's first query, at num_computed, reads nothing that was given back.
-            first_read = max(0, num_computed - self.sliding_window + 1)
-            assert self.num_released.get(request.request_id, 0) * self.block_size <= first_read, (
-                f"{request.request_id}: a query at {num_computed} reads a block given back "
-                f"behind the window ({self.num_released[request.request_id]} blocks)")
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
+                self.num_cached_blocks[rid] = len(hits[0])
+            if any(num_null_hits):
+                self.num_released[rid] = num_null_hits
+        new_blocks = []
+        for g, (blocks, hit, window) in enumerate(zip(groups, hits, self.group_windows)):
+            blocks.extend(hit)
+            if window is not None:
+                # The step's first query, at num_computed, reads nothing that was given back.
+                first_read = max(0, num_computed - window + 1)
+                released = self.num_released.get(rid, [0] * self.num_groups)[g]
+                assert released * self.block_size <= first_read, (
+                    f"{rid}: a query at {num_computed} reads a block of group {g} given back "
+                    f"behind the window ({released} blocks)")
+            new_blocks.append(self.pool.get_new_blocks(num_new[g]))
+            blocks.extend(new_blocks[-1])
 
         if self.enable_caching:
             # Publish blocks whose tokens are all known; their KV is written this step,
             # before any attention reads it, so a later request in the same step may share them.
             if num_external_tokens:
-                self.held_from[request.request_id] = num_computed // self.block_size
+                self.held_from[rid] = num_computed // self.block_size
             num_full = min(total, request.num_tokens) // self.block_size
-            self._publish(request, min(num_full, self.held_from.get(request.request_id, num_full)))
-        if self.sliding_window is not None:
-            self._release_behind_window(request, min(num_computed, request.num_tokens))
+            self._publish(request, min(num_full, self.held_from.get(rid, num_full)))
+        for g, window in enumerate(self.group_windows):
+            if window is not None:
+                self._release_behind_window(request, g, min(num_computed, request.num_tokens))
         return new_blocks
 
-    def _release_behind_window(self, request: Request, num_confirmed: int) -> None:
-        """Give back the request's blocks wholly before the window of a query at
+    def _release_behind_window(self, request: Request, group: int, num_confirmed: int) -> None:
+        """Give back the request's blocks of `group` wholly before the window of a query at
         `num_confirmed`, its confirmed count: no query it can still make is earlier."""
         rid = request.request_id
-        blocks = self.req_to_blocks[rid]
-        start = self.num_released.get(rid, 0)
-        end = min(max(0, num_confirmed - self.sliding_window + 1) // self.block_size, len(blocks))
+        blocks = self.req_to_blocks[rid][group]
+        released = self.num_released.setdefault(rid, [0] * self.num_groups)
+        start = released[group]
+        window = self.group_windows[group]
+        end = min(max(0, num_confirmed - window + 1) // self.block_size, len(blocks))
         if end <= start:
             return
-        released = blocks[start:end]
+        given_back = blocks[start:end]
         blocks[start:end] = [self.pool.null_block] * (end - start)
-        self.num_released[rid] = end
+        released[group] = end
         self.num_window_freed_blocks += end - start
         # Tail first, as `free` does: a chain's head stays cached the longest.
-        self.pool.free_blocks(reversed(released))
-        logger.debug("%s: gave back blocks %d..%d behind the window", rid, start, end - 1)
+        self.pool.free_blocks(reversed(given_back))
+        logger.debug("%s: gave back blocks %d..%d of group %d behind the window",
+                     rid, start, end - 1, group)
 
-    def num_null_blocks(self, request_id: str) -> int:
-        """How many leading entries of the request's block list are the null block."""
-        return self.num_released.get(request_id, 0)
+    def num_null_blocks(self, request_id: str) -> list[int]:
+        """How many leading entries of each group's block list are the null block."""
+        return list(self.num_released.get(request_id, [0] * self.num_groups))
 
     def num_published_blocks(self, request: Request) -> int:
         return self.num_cached_blocks.get(request.request_id, 0)
@@ -209,16 +249,17 @@ class KVCacheManager:
     def unpublish(self, request: Request, num_blocks_before: int) -> None:
         """Withdraw the hashes the request published after its first `num_blocks_before`
         blocks: the step that was to write them will not run."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        end = min(self.num_cached_blocks.get(request.request_id, 0), len(blocks))
-        for block in blocks[num_blocks_before:end]:
-            if block is self.pool.null_block:
-                # Given back behind the window this step: wholly before the step's first
-                # query, so earlier steps write it, and its hash stays true.
-                continue
-            # Published this step, before any other request could look it up.
-            assert block.ref_cnt == 1, f"{block} was shared before its KV was written"
-            self.pool.uncache_block(block)
+        groups = self.req_to_blocks.get(request.request_id, [[] for _ in self.group_windows])
+        for blocks in groups:
+            end = min(self.num_cached_blocks.get(request.request_id, 0), len(blocks))
+            for block in blocks[num_blocks_before:end]:
+                if block is self.pool.null_block:
+                    # Given back behind the window this step: wholly before the step's first
+                    # query, so earlier steps write it, and its hash stays true.
+                    continue
+                # Published this step, before any other request could look it up.
+                assert block.ref_cnt == 1, f"{block} was shared before its KV was written"
+                self.pool.uncache_block(block)
         if request.request_id in self.num_cached_blocks:
             self.num_cached_blocks[request.request_id] = min(
                 num_blocks_before, self.num_cached_blocks[request.request_id])
@@ -226,12 +267,12 @@ class KVCacheManager:
     def _publish(self, request: Request, num_blocks: int) -> None:
         """Publish the request's first `num_blocks` blocks (those not published yet)."""
         start = self.num_cached_blocks.get(request.request_id, 0)
-        blocks = self.req_to_blocks[request.request_id]
-        for i in range(start, num_blocks):
-            # Blocks are published before they can be given back behind the window.
-            assert blocks[i] is not self.pool.null_block, (
-                f"{request.request_id}: block {i} given back unpublished")
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        for g, blocks in enumerate(self.req_to_blocks[request.request_id]):
+            for i in range(start, num_blocks):
+                # Blocks are published before they can be given back behind the window.
+                assert blocks[i] is not self.pool.null_block, (
+                    f"{request.request_id}: block {i} of group {g} given back unpublished")
+                self.pool.cache_block(blocks[i], group_hash(request.block_hashes[i], g))
         self.num_cached_blocks[request.request_id] = max(start, num_blocks)
 
     def settle_loaded(self, request: Request, first_bad_block: int | None) -> None:
@@ -245,18 +286,27 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so shared prefixes stay cached the longest
         (the null entries of blocks given back behind the window are not blocks it holds)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        groups = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.held_from.pop(request.request_id, None)
-        num_released = self.num_released.pop(request.request_id, 0)
-        self.pool.free_blocks(reversed(blocks[num_released:]))
+        released = self.num_released.pop(request.request_id, [0] * self.num_groups)
+        for blocks, num_released in zip(groups, released):
+            self.pool.free_blocks(reversed(blocks[num_released:]))
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self.req_to_blocks
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block ids; 0 (the null block) for those given back behind the window."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block ids, per group; 0 (the null block) for those given back behind
+        the window."""
+        groups = self.req_to_blocks.get(request_id) or [[] for _ in self.group_windows]
+        return [[b.block_id for b in blocks] for blocks in groups]
+
+    def get_connector_block_ids(self, request_id: str) -> list[int]:
+        """The request's one block list, as a KV connector takes it (with a connector there is
+        one group: core/kv_cache_groups.py)."""
+        assert self.num_groups == 1, "KV connectors run with one KV cache group"
+        return self.get_block_ids(request_id)[0]
 
     def reset_prefix_cache(self, force: bool = False) -> bool:
         """Forget cached prefixes; False while blocks are held, unless forced (after a weight

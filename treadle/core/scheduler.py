@@ -59,11 +59,13 @@ class Scheduler:
         self.loaded: list[Request] = []
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        # Blocks behind every layer's sliding window are given back while a request runs,
-        # unless a connector may still save or send the request's whole KV.
+        # Blocks behind a group's sliding window are given back while a request runs, unless
+        # a connector may still save or send the request's whole KV.
+        windows = cache_config.kv_groups.group_windows
+        assert connector is None or len(windows) == 1, "KV connectors run with one KV cache group"
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching,
-                                       cache_config.sliding_window if connector is None else None)
+                                       windows if connector is None else (None,))
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(sched_config.scheduling_policy)
         self.running: list[Request] = []
@@ -99,7 +101,8 @@ class Scheduler:
         if not self.kv_cache.can_fit(request.num_tokens + 1):
             raise ValueError(
                 f"prompt of {request.num_tokens} tokens needs more KV blocks than the cache has "
-                f"({self.kv_cache.pool.num_usable_blocks} blocks of {self.block_size})")
+                f"({self.kv_cache.pool.num_usable_blocks} blocks of {self.block_size}, "
+                f"{self.kv_cache.num_groups} per position)")
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the step loop (abort, stop string found by the detokenizer)."""
@@ -129,7 +132,7 @@ class Scheduler:
         delay = False
         if self.connector is not None:
             delay, request.kv_transfer_params = self.connector.request_finished(
-                request, self.kv_cache.get_block_ids(request.request_id))
+                request, self.kv_cache.get_connector_block_ids(request.request_id))
         if keep_blocks:
             self.free_after_load[request.request_id] = (request, delay)
         elif delay:
@@ -168,7 +171,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         scheduled_running: list[Request] = []
-        new_blocks_of: dict[str, list[int]] = {}
+        new_blocks_of: dict[str, list[list[int]]] = {}   # per KV cache group
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
@@ -212,7 +215,7 @@ class Scheduler:
                 continue  # `request` itself was preempted; running[i] is now the next one
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
-            new_blocks_of[request.request_id] = [b.block_id for b in blocks]
+            new_blocks_of[request.request_id] = [[b.block_id for b in group] for group in blocks]
             if drafts:
                 spec_tokens[request.request_id] = drafts
             budget -= num_new

@@ -17,7 +17,9 @@ class NewRequestData:
     token_ids: list[int]          # prompt + any output already generated
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]          # 0 (the null block) for blocks given back behind the window
+    # Per KV cache group (core/kv_cache_groups.py); 0 (the null block) for blocks given back
+    # behind the window.
+    block_ids: list[list[int]]
     num_computed_tokens: int      # before this step (prefix hits included)
     generator_seed: int           # per-request RNG seed; the same sample whatever the batch
     eos_token_id: int | None = None
@@ -29,12 +31,12 @@ class CachedRequestData:
     """Requests the workers already hold: only what changed."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)   # per KV cache group
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
-    # How many leading blocks each request has given back behind the sliding window (its
-    # table's first entries, now the null block's): the workers point them at the null block
-    # before the step runs, as another request may write those blocks in it.
-    num_null_blocks: list[int] = field(default_factory=list)
+    # How many leading blocks each request has given back behind the sliding window, per KV
+    # cache group (its table's first entries, now the null block's): the workers point them at
+    # the null block before the step runs, as another request may write those blocks in it.
+    num_null_blocks: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -47,7 +47,7 @@ class EngineCore:
         self.executor = create_executor(config)
         num_blocks = self.executor.num_blocks
         cache, model = config.cache, config.model
-        capacity = (num_blocks - 1) * cache.block_size
+        capacity = cache.capacity_tokens(num_blocks)
         if model.max_model_len > capacity:
             if model.max_model_len_is_explicit:   # as vLLM: the user's number is not lowered
                 self.executor.shutdown()

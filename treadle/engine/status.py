@@ -60,8 +60,9 @@ def _grid(core: EngineCore, running: list[Request]) -> dict[str, Any]:
     blocks = kv.pool.blocks[1:]   # block 0 is the null block that pads tables
     owner = {}
     for i, r in enumerate(running):
-        for block_id in kv.get_block_ids(r.request_id):
-            owner.setdefault(block_id, i)
+        for group in kv.get_block_ids(r.request_id):
+            for block_id in group:
+                owner.setdefault(block_id, i)
     cells = [owner.get(b.block_id, HELD if b.ref_cnt else
                        CACHED if b.block_hash is not None else FREE) for b in blocks]
     per_cell = -(-len(cells) // MAX_GRID_CELLS)

@@ -199,12 +199,13 @@ class BlockStoreConnector(KVConnectorBase):
         # Tracking is not dropped by finished_req_ids: a request preempted there may have been
         # admitted again since, even in this very schedule (an asynchronous load puts it in
         # no step's new requests). It ends in request_finished or update_state_after_alloc.
+        # With a connector there is one KV cache group (core/kv_cache_groups.py): group 0's.
         cached = scheduler_output.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
-            self._tracked[rid].block_ids += block_ids
+            self._tracked[rid].block_ids += block_ids[0]
         for new in scheduler_output.scheduled_new_reqs:   # maybe back from an asynchronous load
             tracked = self._tracked[new.req_id]
-            tracked.block_ids = list(new.block_ids)
+            tracked.block_ids = list(new.block_ids[0])
             tracked.num_handled = min(tracked.num_handled, new.num_computed_tokens // self.block_size)
         if not self.is_producer:
             return meta

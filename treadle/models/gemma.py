@@ -21,7 +21,8 @@ from torch import nn
 
 from treadle.attention.backend import AttentionMetadata, PagedAttention
 from treadle.distributed.parallel_state import ParallelContext
-from treadle.models.llama import MLP, Attention, LlamaForCausalLM, layer_window
+from treadle.config import layer_window
+from treadle.models.llama import MLP, Attention, LlamaForCausalLM
 from treadle.models.parallel import MissingLayer, embedding
 from treadle.models.rope import RotaryEmbedding
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from treadle.attention.backend import AttentionMetadata, PagedAttention
-from treadle.config import sliding_window as config_window
+from treadle.config import layer_window
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.kernels import hugepages
 from treadle.models import gguf_weights, layer_stack, linear
@@ -145,14 +145,6 @@ class MLP(nn.Module):
 def dense_mlp(config, index: int, ctx: ParallelContext) -> nn.Module:
     """A Llama layer's feed-forward block (every layer has the same)."""
     return MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), ctx)
-
-
-def layer_window(config, index: int) -> int | None:
-    """Layer `index`'s sliding window, or None where it attends to every earlier token."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[index] != "sliding_attention":
-        return None
-    return config_window(config)
 
 
 class DecoderLayer(nn.Module):

@@ -87,11 +87,12 @@ def free_device_memory(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int
+def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_groups: int = 1
                   ) -> tuple[SchedulerOutput, int]:
     """A step of `num_tokens` prompt tokens over min(max_num_seqs, num_tokens) requests that
     all sample, on blocks 1.. of a throwaway cache; and how many blocks that cache needs (the
-    null block included)."""
+    null block included). Every KV cache group takes the same blocks: what they write is
+    thrown away."""
     num_reqs = min(max_num_seqs, num_tokens)
     lengths = np.full(num_reqs, num_tokens // num_reqs)
     lengths[:num_tokens % num_reqs] += 1
@@ -101,7 +102,8 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int
         new_reqs.append(NewRequestData(
             req_id=f"profile-{i}", token_ids=[0] * n, num_prompt_tokens=n,
             sampling_params=SamplingParams(max_tokens=1), num_computed_tokens=0,
-            block_ids=list(range(next_block, next_block + num_blocks)), generator_seed=i))
+            block_ids=[list(range(next_block, next_block + num_blocks))] * num_groups,
+            generator_seed=i))
         next_block += num_blocks
     ids = [r.req_id for r in new_reqs]
     step = SchedulerOutput(
@@ -116,7 +118,8 @@ def run_profile_step(runner: ModelRunner) -> None:
     throwaway KV cache; the runner is left with no KV cache and no requests."""
     config = runner.config
     step, num_blocks = profile_batch(config.scheduler.max_num_batched_tokens,
-                                     config.scheduler.max_num_seqs, config.cache.block_size)
+                                     config.scheduler.max_num_seqs, config.cache.block_size,
+                                     config.cache.kv_groups.num_groups)
     runner.init_kv_cache(num_blocks)
     runner.execute_profile_step(step)
     if runner.inbox is not None:   # a stage before the last: the tokens sent back to it

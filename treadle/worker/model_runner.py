@@ -9,7 +9,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from treadle.attention.backend import AttentionMetadata, create_attention_backend
+from treadle.attention.backend import AttentionMetadata, assign_kv_groups, create_attention_backend
 from treadle.config import TreadleConfig, max_steps_in_flight
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from treadle.distributed.parallel_state import ParallelContext
@@ -50,6 +50,7 @@ class ModelRunner:
         self.native_kernels = self.on_device.native_kernels
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
+        self.kv_groups = config.cache.kv_groups   # which layers share a block table
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.attention = create_attention_backend(config.attention_backend, self.device, self.block_size)
@@ -76,6 +77,7 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_cls(cfg.hf_config, max_positions=cfg.max_model_len, ctx=self.ctx)
         self.model = model.to(dtype=self.dtype).eval()
+        assign_kv_groups(self.model, self.kv_groups)
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         model.to_empty(device=self.device)   # the buffers; the parameters get theirs next
         self._materialize_weights()
@@ -114,23 +116,23 @@ class ModelRunner:
         self.on_device.release_cached_memory()   # what loading and packing freed
         max_blocks_per_req = -(-cfg.max_model_len // self.block_size)
         self.slots = RequestSlots(self.config.scheduler.max_num_seqs, cfg.max_model_len,
-                                  max_blocks_per_req)
+                                  max_blocks_per_req, self.kv_groups.num_groups)
         if self.ctx.is_last_stage:
             self.grammars = GrammarMatchers(self.config, self.slots)
 
     def capture_decode_graphs(self) -> None:
         """CUDA graphs of decode steps (worker/cuda_graphs.py), where they can serve: on a GPU,
         on the triton backend, with one worker, for a model that reads nothing back in its
-        forward (not MoE), unless enforce_eager."""
+        forward (not MoE), with one KV cache group, unless enforce_eager."""
         self.graphs = None
         if (not self.on_device.captures_graphs or self.config.enforce_eager
                 or self.attention.name != "triton" or not self.model.capturable
-                or self.ctx.tp_size * self.ctx.pp_size > 1):
+                or self.ctx.tp_size * self.ctx.pp_size > 1 or self.kv_groups.is_hybrid):
             return
         sched = self.config.scheduler
         max_batch = min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_GRAPH_BATCH)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch,
-                                   self.slots.block_table.shape[1], self.device)
+                                   self.slots.block_table.shape[2], self.device)
 
     def _keep_graphs_valid(self) -> None:
         """Capture again where the graphs' tensors moved (weights or cache given new memory)."""
@@ -146,15 +148,20 @@ class ModelRunner:
         self.attention.release()
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block here: this stage's layers, this rank's KV heads."""
+        """Bytes of one KV block here: this stage's cache tensors (a tensor per layer, or
+        per layer of a group: core/kv_cache_groups.py), this rank's KV heads."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return (2 * len(self.layers) * self.block_size * self.num_kv_heads
-                * self.config.model.head_dim * elem)
+        return (2 * len(self.kv_groups.tensors_of(self.layers)) * self.block_size
+                * self.num_kv_heads * self.config.model.head_dim * elem)
 
     def _allocate_kv_cache(self) -> None:
+        """A cache tensor per layer; with several KV cache groups, layer j of every group
+        shares tensor j (each group writes only the blocks it holds)."""
         cfg = self.config.model
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        self.kv_caches = self.on_device.zeros([(shape, self.dtype)] * len(self.layers))
+        used = self.kv_groups.tensors_of(self.layers)
+        tensors = dict(zip(used, self.on_device.zeros([(shape, self.dtype)] * len(used))))
+        self.kv_caches = [tensors[self.kv_groups.layer_tensor[i]] for i in self.layers]
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
 
@@ -241,12 +248,13 @@ class ModelRunner:
         if (self.graphs is not None and len(decodes) == len(idx)
                 and self.graphs.padded_size(len(idx)) is not None):
             # Every request decodes one token: a CUDA graph's step (worker/cuda_graphs.py).
-            block_table = slots.block_table[idx]
+            block_table = slots.block_table[0, idx]   # graphs serve models with one group
             hidden = self.graphs.run(input_ids, rope_positions,
                                      self.attention.slots(q_lens, positions, block_table), ends,
                                      block_table)
         else:
-            meta = self.attention.build_metadata(q_lens, ctx, positions, slots.block_table[idx])
+            meta = self.attention.build_group_metadata(q_lens, ctx, positions,
+                                                       slots.block_table[:, idx])
             hidden = self._forward(input_ids, rope_positions, meta)
 
         # Who samples is the scheduler's decision; the runner obeys it. A request samples

@@ -14,14 +14,16 @@ from treadle.structured_output.backend import Matcher
 
 
 class RequestSlots:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # One table per KV cache group (core/kv_cache_groups.py): [group, slot, block].
+        self.block_table = np.zeros((num_kv_groups, max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)   # the same in every group
         self.long_rope = np.zeros(max_num_reqs, dtype=bool)   # NewRequestData.long_rope
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.seeds = [0] * max_num_reqs
@@ -42,7 +44,7 @@ class RequestSlots:
         self.num_tokens[slot] = n
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self.num_computed_tokens[slot] = new.num_computed_tokens
-        self.block_table[slot] = 0
+        self.block_table[:, slot] = 0
         self.num_blocks[slot] = 0
         self.append_blocks(slot, new.block_ids)
         self.long_rope[slot] = new.long_rope
@@ -64,17 +66,21 @@ class RequestSlots:
         self.grammar[slot] = None
         self._free.append(slot)
 
-    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
+    def append_blocks(self, slot: int, block_ids: list[list[int]]) -> None:
+        """Append each group's new blocks (as many in every group)."""
         start = int(self.num_blocks[slot])
-        self.block_table[slot, start:start + len(block_ids)] = block_ids
-        self.num_blocks[slot] = start + len(block_ids)
+        for group, ids in enumerate(block_ids):
+            assert len(ids) == len(block_ids[0]), "every group's table grows alike"
+            self.block_table[group, slot, start:start + len(ids)] = ids
+        self.num_blocks[slot] = start + len(block_ids[0])
 
-    def null_leading_blocks(self, slot: int, num_blocks: int) -> None:
-        """Point the slot's first `num_blocks` table entries at the null block: the scheduler
-        gave those blocks back behind the sliding window, and another request may write them
-        from this step on. Attention never needs them; a kernel that still reads them under a
-        mask reads the null block's zeros."""
-        self.block_table[slot, :num_blocks] = 0
+    def null_leading_blocks(self, slot: int, num_blocks: list[int]) -> None:
+        """Point the slot's first `num_blocks[g]` entries of group g's table at the null block:
+        the scheduler gave those blocks back behind the sliding window, and another request may
+        write them from this step on. Attention never needs them; a kernel that still reads
+        them under a mask reads the null block's zeros."""
+        for group, n in enumerate(num_blocks):
+            self.block_table[group, slot, :n] = 0
 
     def append_token(self, slot: int, token_id: int) -> None:
         n = int(self.num_tokens[slot])

@@ -8,10 +8,20 @@ import torch
 import transformers
 
 from treadle import LLM, SamplingParams
+from treadle.config import layer_windows
+from treadle.core.kv_cache_groups import kv_cache_groups
 
 MAX_TOKENS = 24
 # Chunks of 16 tokens, 16-token blocks, and a cache too small for every prompt at once.
 TIGHT = {"max_num_batched_tokens": 16, "block_size": 16, "num_kv_blocks": 14, "max_num_seqs": 4}
+
+
+def tight_for(hf_dir: str) -> dict:
+    """TIGHT's cache in bytes for the model in `hf_dir`: a model mixing local and global layers
+    has a block per group of layers (core/kv_cache_groups.py), a block per layer of each group,
+    so as many more blocks as it has groups."""
+    groups = kv_cache_groups(layer_windows(transformers.AutoConfig.from_pretrained(hf_dir)))
+    return dict(TIGHT, num_kv_blocks=groups.num_groups * (TIGHT["num_kv_blocks"] - 1) + 1)
 
 
 class PretrainedReference:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.kernel_support import CPU
-from tests.family_support import MAX_TOKENS, TIGHT, PretrainedReference as Reference, greedy_ids
+from tests.family_support import MAX_TOKENS, PretrainedReference as Reference, greedy_ids, tight_for
 from tests.family_support import random_prompts
 from tests.tiny_models import GEMMA_ARCHS, tiny_checkpoint_dir
 from treadle import LLM, SamplingParams
@@ -17,9 +17,6 @@ from treadle.attention.cpu_backend import CpuKernelBackend
 from treadle.models.registry import get_model_class
 
 WINDOW = 24
-# TIGHT's cache in bytes: a block serves one layer of each of the three KV cache groups here
-# (core/kv_cache_groups.py), a third of one for every layer.
-GEMMA_TIGHT = dict(TIGHT, num_kv_blocks=3 * (TIGHT["num_kv_blocks"] - 1) + 1)
 
 
 @pytest.fixture(scope="module", params=GEMMA_ARCHS)
@@ -45,7 +42,7 @@ def test_batched_chunked_preempted_and_prefix_hits_match_transformers(gemma, bac
     ref = Reference(path)
     batch = prompts()
     want = [ref.greedy(p, MAX_TOKENS) for p in batch]
-    with LLM(path, dtype="float32", attention_backend=backend, **GEMMA_TIGHT) as llm:
+    with LLM(path, dtype="float32", attention_backend=backend, **tight_for(path)) as llm:
         model = llm.engine.core.executor.worker.runner.model
         windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
         assert windows == [WINDOW, None, WINDOW]   # local, global, local
@@ -115,7 +112,7 @@ def test_split_over_worker_processes_matches_transformers(gemma, pp, tp):
     ref = Reference(path)
     batch = prompts(3)
     with LLM(path, dtype="float32", pipeline_parallel_size=pp, tensor_parallel_size=tp,
-             distributed_executor_backend="mp", **GEMMA_TIGHT) as llm:
+             distributed_executor_backend="mp", **tight_for(path)) as llm:
         assert generate(llm, batch) == [ref.greedy(p, MAX_TOKENS) for p in batch]
 
 

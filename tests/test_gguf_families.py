@@ -28,7 +28,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.family_support import MAX_TOKENS, TIGHT, PretrainedReference, greedy_ids
+from tests.family_support import MAX_TOKENS, PretrainedReference, greedy_ids, tight_for
 from tests.gguf_writer import shrink_vocab, write_gguf, write_gguf_of
 from tests.tiny_models import make_tiny_checkpoint
 from treadle import LLM
@@ -191,5 +191,5 @@ def test_greedy_matches_transformers(family):
     else:
         ref = PretrainedReference(hf_dir)
     want = [ref.greedy(p, MAX_TOKENS) for p in batch]
-    with LLM(path, dtype="float32", **TIGHT) as llm:
+    with LLM(path, dtype="float32", **tight_for(hf_dir)) as llm:
         assert greedy_ids(llm, batch) == want

@@ -131,21 +131,35 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
 
 
 def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
-                                device_name: str) -> dict:
+                                device_name: str, deferred: bool = False) -> dict:
     """Greedy output with every decode step on worker/cuda_graphs.py's persistent buffers, its
     batch padded to a captured size: replayed graphs on CUDA (captured by the engine itself),
     the same buffers run eagerly on the CPU (a test's stand-in: no graph exists there). All
-    prompts at once (3 decodes padded to 4), then each alone (1)."""
+    prompts at once (3 decodes padded to 4), then each alone (1). `deferred`: async scheduling,
+    each step's input tokens taken on the device from the step before (worker/deferred_step.py;
+    on CUDA the executor defers by itself)."""
     from treadle import LLM, SamplingParams
     from treadle.worker.cuda_graphs import DecodeGraphs
+    from treadle.worker.deferred_step import DeferredStep
 
     with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
-             block_size=BLOCK_SIZE, max_num_seqs=8) as llm:
+             block_size=BLOCK_SIZE, max_num_seqs=8, async_scheduling=deferred) as llm:
         runner = llm.engine.core.executor.worker.runner
         if device_name == "cpu":
             runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
                                          runner.slots.block_table.shape[2], runner.device,
                                          capture=False)
+            if deferred:
+                runner.allow_deferred_steps()
+        assert runner.defer_steps == deferred
+        execute, num_deferred = runner.execute_model, []
+
+        def counted(so):
+            out = execute(so)
+            num_deferred.append(isinstance(out, DeferredStep))
+            return out
+
+        runner.execute_model = counted
         graphs = runner.graphs
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -153,7 +167,8 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
         llm.engine.core.scheduler.kv_cache.assert_no_leaks()
         return {"together": [o.outputs[0].token_ids for o in together],
                 "alone": [o.outputs[0].token_ids for o in alone],
-                "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs)}
+                "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs),
+                "deferred_steps": sum(num_deferred)}
 
 
 def run_connector_arrivals(path: str, store: str, stale: list[list[int]],
@@ -335,10 +350,14 @@ def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, 
     """The persistent buffers and padding of CUDA graphs, run eagerly under the interpreter."""
     path = tiny_checkpoints["qwen3"]
     prompts = _engine_prompts(path)[0]
-    [result] = _interpreted([("run_engine_on_graph_buffers", [path, prompts, 8, "cpu"])])
+    [eager, deferred] = _interpreted([("run_engine_on_graph_buffers", [path, prompts, 8, "cpu"]),
+                                      ("run_engine_on_graph_buffers", [path, prompts, 8, "cpu", True])])
     want = [reference(path).greedy(p, 8) for p in prompts]
-    assert result["together"] == want and result["alone"] == want
-    assert result["graph_steps"] >= 3 * 7   # the decode steps of the runs alone, at least
+    for result in (eager, deferred):
+        assert result["together"] == want and result["alone"] == want
+        assert result["graph_steps"] >= 3 * 7   # the decode steps of the runs alone, at least
+    # Deferred: each decode's input token was put into the graph's buffer on the device.
+    assert eager["deferred_steps"] == 0 and deferred["deferred_steps"] >= 3 * 7
 
 
 def _arrival_prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -401,10 +420,12 @@ def test_connector_arrivals_in_reused_slots_on_cuda(tiny_checkpoints, reference,
 def test_decode_cuda_graphs_match_transformers(tiny_checkpoints, reference):
     path = tiny_checkpoints["qwen3"]
     prompts = _engine_prompts(path)[0]
-    result = run_engine_on_graph_buffers(path, prompts, 24, "cuda")
     want = [reference(path).greedy(p, 24) for p in prompts]
-    assert result["together"] == want and result["alone"] == want
-    assert result["captured"][:4] == [1, 2, 4, 8] and result["graph_steps"] >= 3 * 23
+    for deferred in (False, True):
+        result = run_engine_on_graph_buffers(path, prompts, 24, "cuda", deferred)
+        assert result["together"] == want and result["alone"] == want
+        assert result["captured"][:4] == [1, 2, 4, 8] and result["graph_steps"] >= 3 * 23
+        assert (result["deferred_steps"] >= 3 * 23) == deferred
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from treadle.core.kv_cache_groups import KVCacheGroups
+from treadle.device_copy import to_device
 from treadle.registry import lookup
 
 # Backends by name, imported only when chosen (treadle/registry.py).
@@ -125,7 +126,7 @@ class AttentionBackend(ABC):
     def slot_mapping(self, query_lens: np.ndarray, positions: np.ndarray,
                      block_table: np.ndarray) -> torch.Tensor:
         """The flat cache slot of every new token."""
-        return torch.from_numpy(self.slots(query_lens, positions, block_table)).to(self.device)
+        return to_device(self.slots(query_lens, positions, block_table), self.device)
 
     def slots(self, query_lens: np.ndarray, positions: np.ndarray,
               block_table: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.attention.backend import AttentionBackend, AttentionMetadata, PagedAttention, count_decodes
+from treadle.device_copy import to_device
 
 
 # Padded key positions per decode chunk: ~3 MiB of fp32 K for 3 KV heads of 64, which stays in
@@ -197,7 +198,7 @@ def _prefill_spans(start: int, query_lens: np.ndarray, context_lens: np.ndarray,
         span = PrefillSpan(start, start + q_len, ctx, None, None)
         if ctx > 0:
             total = ctx + q_len
-            span.block_ids = torch.from_numpy(table[:-(-total // block_size)].astype(np.int64)).to(device)
+            span.block_ids = to_device(table[:-(-total // block_size)].astype(np.int64), device)
             key_pos = torch.arange(total, device=device)
             query_pos = torch.arange(ctx, total, device=device)
             span.mask = key_pos[None, :] <= query_pos[:, None]
@@ -219,10 +220,10 @@ def _decode_chunks(seq_lens: np.ndarray, block_table: np.ndarray, block_size: in
         rows = slice(start, start + n)
         start += n
         key_pos = torch.arange(max_blocks * block_size, device=device)
-        lens = torch.from_numpy(seq_lens[rows].astype(np.int64)).to(device)
+        lens = to_device(seq_lens[rows].astype(np.int64), device)
         chunks.append(DecodeChunk(
             rows=rows,
-            block_ids=torch.from_numpy(block_table[rows, :max_blocks].astype(np.int64).ravel()).to(device),
+            block_ids=to_device(block_table[rows, :max_blocks].astype(np.int64).ravel(), device),
             mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
             seq_lens=lens[:, None]))
     return chunks

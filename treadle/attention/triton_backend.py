@@ -23,13 +23,7 @@ import numpy as np
 import torch
 
 from treadle.attention.backend import AttentionBackend, AttentionMetadata, PagedAttention, count_decodes
-
-
-def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` as a host tensor to copy to `device`: pinned for CUDA, whence a non-blocking copy
-    does not wait for the GPU (from pageable memory it would)."""
-    host = torch.from_numpy(array)
-    return host.pin_memory() if device.type == "cuda" else host
+from treadle.device_copy import host_tensor
 
 
 @dataclass

@@ -7,6 +7,11 @@ worker is built there too: each thread that runs torch's parallel CPU ops gets a
 its own, and a second, idle team (the loader's) makes libgomp stop spinning at barriers
 (engine/core_thread.py has the measurement).
 
+On a GPU with async scheduling, a plain step's sampled tokens stay on the device until the
+next step is queued behind it (worker/deferred_step.py): the worker returns the step deferred,
+and its StepFuture has the worker thread finish it when the engine asks for its output, unless
+the next step already has.
+
 The worker shares this process, so its failures are raised where they happen, as their own
 type, and leave no failure state here: a failed step ends the engine (EngineCore turns any
 step's error into EngineDeadError), and there is no group to replace (config.py refuses
@@ -23,6 +28,7 @@ from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import Executor
 from treadle.structured_output.params import StructuredOutputsParams
+from treadle.worker.deferred_step import DeferredStep
 from treadle.worker.malloc import keep_freed_memory
 from treadle.worker.worker import Worker
 
@@ -37,6 +43,8 @@ class UniProcExecutor(Executor):
 
     def _start_workers(self, config: TreadleConfig) -> list[int]:
         self.worker = self._on_worker_thread(_build_worker, config)
+        if self._thread is not None and config.device.startswith("cuda"):
+            self.worker.runner.allow_deferred_steps()
         return [self._on_worker_thread(self.worker.determine_num_blocks)]
 
     def _on_worker_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -45,11 +53,15 @@ class UniProcExecutor(Executor):
         return self._thread.submit(fn, *args, **kwargs).result()
 
     def _execute_model(self, scheduler_output: SchedulerOutput,
-                       non_block: bool) -> ModelRunnerOutput | Future:
+                       non_block: bool) -> ModelRunnerOutput | StepFuture:
         if self._thread is None:
             return self.worker.execute_model(scheduler_output)
-        future = self._thread.submit(self.worker.execute_model, scheduler_output)
+        future = StepFuture(self._thread.submit(self.worker.execute_model, scheduler_output),
+                            self._finish_deferred)
         return future if non_block else future.result()
+
+    def _finish_deferred(self, step: DeferredStep) -> ModelRunnerOutput:
+        return self._thread.submit(self.worker.runner.finish_deferred, step).result()
 
     def _warm_grammar(self, params: StructuredOutputsParams) -> None:
         """Nothing to do: the worker shares this process's grammar backend, whose cache the
@@ -69,6 +81,20 @@ class UniProcExecutor(Executor):
             self._thread.shutdown(wait=True)
         if hasattr(self, "worker"):   # absent when building it failed
             self.worker.release_kv_cache()
+
+
+class StepFuture:
+    """A step's output to come: the worker's, or, where the worker deferred the step, its
+    finished output (the worker thread finishes it on the first ask, unless the next step did)."""
+
+    def __init__(self, submitted: Future, finish: Callable[[DeferredStep], ModelRunnerOutput]) -> None:
+        self._submitted, self._finish = submitted, finish
+
+    def result(self) -> ModelRunnerOutput:
+        out = self._submitted.result()
+        if isinstance(out, DeferredStep):
+            return out.output if out.output is not None else self._finish(out)
+        return out
 
 
 def _build_worker(config: TreadleConfig) -> Worker:

@@ -27,7 +27,8 @@ import time
 import numpy as np
 import torch
 
-from treadle.attention.triton_backend import TritonMetadata, host_tensor
+from treadle.attention.triton_backend import TritonMetadata
+from treadle.device_copy import host_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +77,17 @@ class DecodeGraphs:
                 and tensor_addresses(model, kv_caches) == self.addresses)
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            seq_lens: np.ndarray, block_table: np.ndarray) -> torch.Tensor:
+            seq_lens: np.ndarray, block_table: np.ndarray,
+            patch: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
         """The model's hidden states for n one-token decodes ([n, hidden]); the arrays are the
-        step's, one entry (or block-table row) per decode."""
+        step's, one entry (or block-table row) per decode. `patch`: rows whose input token is
+        on the device already (a deferred step's: worker/deferred_step.py), and those tokens."""
         n = len(input_ids)
         size = self.padded_size(n)
         assert size is not None, f"{n} decodes, more than the largest graph ({self.max_batch})"
         self._fill(n, size, input_ids, positions, slot_mapping, seq_lens, block_table)
+        if patch is not None:
+            self.input_ids[to_device(patch[0], self.device)] = patch[1]
         self.num_steps += 1
         if size in self.graphs:
             graph, out = self.graphs[size]

@@ -17,6 +17,7 @@ import torch
 
 from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import NewRequestData
+from treadle.device_copy import to_device
 from treadle.structured_output.backend import GrammarBackend, Matcher
 from treadle.structured_output.compile_ahead import CompileAhead
 from treadle.structured_output.registry import get_backend
@@ -122,8 +123,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     The mask travels to the logits' device packed, 32 tokens to an int32 word (a 32nd of the
     unpacked size), and is unpacked there."""
     device = logits.device
-    packed = bitmask.to(device, non_blocking=True)
+    packed = to_device(bitmask, device)   # from pinned memory: no wait for the GPU
     bits = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((packed[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, device, torch.int64)
     logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))

@@ -12,6 +12,7 @@ import torch
 from treadle.attention.backend import AttentionMetadata, assign_kv_groups, create_attention_backend
 from treadle.config import TreadleConfig, max_steps_in_flight
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from treadle.device_copy import to_device
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.distributed.pipeline import StageLink
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
@@ -19,6 +20,7 @@ from treadle.models import linear
 from treadle.models.loader import iter_hf_weights, prepare_model
 from treadle.models.registry import get_model_class
 from treadle.worker.cuda_graphs import DecodeGraphs
+from treadle.worker.deferred_step import PLACEHOLDER, DeferredStep, plain
 from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.device import worker_device
 from treadle.worker.request_state import RequestSlots
@@ -64,6 +66,11 @@ class ModelRunner:
         self.connector = create_connector(config, KVConnectorRole.WORKER)
         if self.connector is not None:   # it moves this rank's layers and KV heads
             self.connector.bind_rank(ctx.rank, ctx.pp_rank, ctx.tp_rank)
+        # Steps whose sampled tokens stay on the device until the next step is queued
+        # (worker/deferred_step.py): only the in-process executor, with async scheduling, turns
+        # this on (`allow_deferred_steps`); `_pending` is the last such step, unfinished.
+        self.defer_steps = False
+        self._pending: DeferredStep | None = None
 
     # -- set-up ------------------------------------------------------------------
     def load_model(self) -> None:
@@ -165,10 +172,19 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
 
+    def allow_deferred_steps(self) -> bool:
+        """Defer plain steps' tokens (worker/deferred_step.py) where the runner alone makes the
+        step's output: one rank, no drafts to propose, no KV connector. Returns whether it does."""
+        self.defer_steps = (self.proposer is None and self.connector is None
+                            and self.ctx.tp_size * self.ctx.pp_size == 1)
+        return self.defer_steps
+
     # -- the step ------------------------------------------------------------------
-    def _update_slots(self, so: SchedulerOutput) -> None:
+    def _update_slots(self, so: SchedulerOutput, previous: DeferredStep | None = None) -> None:
         slots = self.slots
         for rid in so.finished_req_ids:
+            if previous is not None and rid in slots.slot_of:
+                previous.drop(slots.slot_of[rid])   # its deferred token must not reach the slot
             slots.remove(rid)
         for new in so.scheduled_new_reqs:
             slot = slots.add(new, self.step)
@@ -191,11 +207,23 @@ class ModelRunner:
         self._execute(so)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | DeferredStep:
+        """The step's output; a DeferredStep where its tokens are still on the device, which
+        `finish_deferred` (or the next step) turns into the output."""
         self.step += 1
-        self._update_slots(so)
+        previous, self._pending = self._pending, None
+        defer = self.defer_steps and self._plain(so)
+        if previous is not None and not defer:
+            previous.finish(self.slots)   # this step reads its tokens on the host
+            previous = None
+        self._update_slots(so, previous)
         if self.connector is None:
-            return self._execute(so) if so.total_num_scheduled_tokens else ModelRunnerOutput.empty()
+            if not so.total_num_scheduled_tokens:
+                return ModelRunnerOutput.empty()
+            out = self._execute(so, previous, defer)
+            if previous is not None:   # queued behind this step: now wait for its tokens
+                previous.finish(self.slots)
+            return out
         # Loads land before the forward pass reads them (asynchronous ones in blocks nothing
         # reads until they are done); saves follow it. A step may only poll for loads.
         connector = self.connector
@@ -210,7 +238,26 @@ class ModelRunner:
             connector.get_dropped_saves())
         return out
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def finish_deferred(self, step: DeferredStep) -> ModelRunnerOutput:
+        """A deferred step's output, waiting for its tokens if no later step has yet."""
+        if self._pending is step:
+            self._pending = None
+        return step.finish(self.slots)
+
+    def _plain(self, so: SchedulerOutput) -> bool:
+        """Whether every request of the step is plain (worker/deferred_step.py) and none
+        verifies drafts."""
+        if so.scheduled_spec_decode_tokens:
+            return False
+        params = [new.sampling_params for new in so.scheduled_new_reqs]
+        params += [self.slots.params[self.slots.slot_of[rid]]
+                   for rid in so.scheduled_cached_reqs.req_ids]
+        return all(plain(p) for p in params)
+
+    def _execute(self, so: SchedulerOutput, previous: DeferredStep | None = None,
+                 defer: bool = False) -> ModelRunnerOutput | DeferredStep:
+        """The step; with `previous`, the rows at its deferred tokens' positions read them from
+        the device; with `defer`, this step's own tokens stay there (a DeferredStep)."""
         slots = self.slots
 
         req_ids = list(so.num_scheduled_tokens)
@@ -242,6 +289,10 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
         token_slot = np.repeat(idx, q_lens)
         input_ids = slots.token_ids[token_slot, positions]
+        patch = (previous.device_tokens_for(token_slot, positions, slots.max_num_reqs)
+                 if previous is not None else None)
+        assert (np.delete(input_ids, patch[0] if patch else []) != PLACEHOLDER).all(), (
+            "a row reads a deferred token that its step did not provide")
         rope_positions = positions
         if self.long_rope_offset:
             rope_positions = positions + self.long_rope_offset * slots.long_rope[token_slot]
@@ -251,11 +302,11 @@ class ModelRunner:
             block_table = slots.block_table[0, idx]   # graphs serve models with one group
             hidden = self.graphs.run(input_ids, rope_positions,
                                      self.attention.slots(q_lens, positions, block_table), ends,
-                                     block_table)
+                                     block_table, patch)
         else:
             meta = self.attention.build_group_metadata(q_lens, ctx, positions,
                                                        slots.block_table[:, idx])
-            hidden = self._forward(input_ids, rope_positions, meta)
+            hidden = self._forward(input_ids, rope_positions, meta, patch)
 
         # Who samples is the scheduler's decision; the runner obeys it. A request samples
         # (1 + k tokens with k drafts) when its chunk reaches its last known token.
@@ -272,6 +323,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         request_errors: dict[str, str] = {}
+        if samples.any() and defer:
+            return self._defer(hidden, req_ids, idx, np.flatnonzero(samples),
+                               starts + q_lens - 1, ends)
         if samples.any():
             rows = np.flatnonzero(samples)
             sampled_rows, logprobs_rows, slot_errors = self._sample_and_verify(
@@ -306,17 +360,35 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs, draft_token_ids=draft_token_ids,
                                  request_errors=request_errors)
 
-    def _forward(self, input_ids: np.ndarray, positions: np.ndarray,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def _defer(self, hidden: torch.Tensor, req_ids: list[str], idx: np.ndarray, rows: np.ndarray,
+               last_rows: np.ndarray, ends: np.ndarray) -> DeferredStep:
+        """Queue the sampling of `rows` (requests; `last_rows`: each request's last input row)
+        and leave their tokens on the device: the slots advance over a PLACEHOLDER each."""
+        slots = self.slots
+        slot_ids = idx[rows]
+        sampling_rows = [SamplingRow(slots.params[s], slots.seeds[s], slots.prompt_ids(s),
+                                     slots.output_ids(s), slots.eos_token_ids[s]) for s in slot_ids]
+        logits = self.model.compute_logits(hidden[to_device(last_rows[rows], self.device, torch.int64)])
+        samples = self.sampler.sample(logits, sampling_rows)
+        positions = slots.num_tokens[slot_ids].copy()
+        for slot in slot_ids:
+            slots.append_token(slot, PLACEHOLDER)
+        slots.num_computed_tokens[idx] = ends
+        self._pending = DeferredStep(req_ids, rows, slot_ids, positions, samples)
+        return self._pending
+
+    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
+                 patch: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
         """This stage's part of the model; hidden states come from the stage before and go to
         the stage after. `positions` index the RoPE tables (a LongRoPE request's past the
-        short ones)."""
+        short ones); `patch`: input rows and the device tokens they take (a deferred step's)."""
         hidden_in = None
         if self.link is not None and not self.ctx.is_first_stage:
             hidden_in = self.link.recv_hidden(len(positions))
-        ids = torch.from_numpy(input_ids).to(self.device) if self.ctx.is_first_stage else None
-        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), self.kv_caches,
-                            meta, hidden_in)
+        ids = to_device(input_ids, self.device) if self.ctx.is_first_stage else None
+        if patch is not None:
+            ids[to_device(patch[0], self.device)] = patch[1]
+        hidden = self.model(ids, to_device(positions, self.device), self.kv_caches, meta, hidden_in)
         if self.link is not None and not self.ctx.is_last_stage:
             self.link.send_hidden(hidden)
         return hidden
@@ -344,7 +416,7 @@ class ModelRunner:
                 history = outputs if j == 0 else np.concatenate([outputs, np.asarray(d[:j], dtype=outputs.dtype)])
                 sampling_rows.append(SamplingRow(slots.params[slot], slots.seeds[slot],
                                                  slots.prompt_ids(slot), history, slots.eos_token_ids[slot]))
-        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        logits = self.model.compute_logits(hidden[to_device(row_index, self.device, torch.int64)])
         tokens, token_lps = self.sampler(logits, sampling_rows,
                                          self.grammars.bitmask(slot_ids, drafts))
         out_tokens, out_lps, errors = [], [], {}

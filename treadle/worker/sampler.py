@@ -3,9 +3,10 @@ top-k/top-p/min-p, logprobs (of the raw logits, before any of these, as vLLM's d
 
 Every step that touches the [rows, vocab] logits is one batched tensor operation over the rows
 that need it; Python walks the rows only to build small index and parameter tensors from their
-metadata. So the same code runs on a GPU without a per-row launch or a host sync:
-`Sampler.sample` returns its results as device tensors (`SamplerOutput`), and
-`SamplerOutput.to_lists` is the one place they become Python lists.
+metadata, which go up from pinned memory (treadle/device_copy.py: no row is picked with a Python
+list, which would be a copy that waits for the GPU). So the same code runs on a GPU without a
+per-row launch or a host sync: `Sampler.sample` returns its results as device tensors
+(`SamplerOutput`), and `SamplerOutput.to_lists` is the one place they come down, in one wait.
 
 Randomness is positional and counter-based (`sampling_random.py`): the noise for a request's
 k-th output token is a hash of (request seed, k, token index). A seeded request therefore samples
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from treadle.core.scheduler_output import TokenLogprobs
+from treadle.device_copy import to_device, to_host
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.sampling_params import SamplingParams
 from treadle.worker.grammar import apply_token_bitmask
@@ -48,9 +50,12 @@ class BatchedLogprobs:
     top_ids: torch.Tensor      # [n, max num_top] int64
     top_values: torch.Tensor   # [n, max num_top] fp32
 
-    def to_lists(self) -> list[TokenLogprobs]:
-        ids, chosen, ranks = self.token_ids.tolist(), self.chosen.tolist(), self.ranks.tolist()
-        top_ids, top_values = self.top_ids.tolist(), self.top_values.tolist()
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.token_ids, self.chosen, self.ranks, self.top_ids, self.top_values]
+
+    def to_lists(self, host: list[torch.Tensor] | None = None) -> list[TokenLogprobs]:
+        """As Python lists; `host`: `tensors()` already brought to the host."""
+        ids, chosen, ranks, top_ids, top_values = (t.tolist() for t in host or to_host(*self.tensors()))
         return [TokenLogprobs(token_ids=[t] + ti[:n], logprobs=[c] + tv[:n], rank=r)
                 for t, c, r, ti, tv, n
                 in zip(ids, chosen, ranks, top_ids, top_values, self.num_top)]
@@ -66,17 +71,19 @@ class SamplerOutput:
 
     def to_lists(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The tokens and per-row logprobs (None where a row asked for none) as Python values:
-        the one place where the step's results leave the device."""
-        tokens = self.token_ids.tolist()
-        out: list[TokenLogprobs | None] = [None] * len(tokens)
+        the one place where the step's results leave the device, in one wait."""
         if self.logprobs is None:
-            return tokens, out
-        for i, lp in zip(self.logprob_rows, self.logprobs.to_lists()):
+            tokens = to_host(self.token_ids)[0].tolist()
+            return tokens, [None] * len(tokens)
+        host = to_host(self.token_ids, *self.logprobs.tensors())
+        tokens = host[0].tolist()
+        out: list[TokenLogprobs | None] = [None] * len(tokens)
+        for i, lp in zip(self.logprob_rows, self.logprobs.to_lists(host[1:])):
             out[i] = lp
         return tokens, out
 
 
-def _has_penalties(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -85,7 +92,7 @@ def _argmax_only(row: SamplingRow) -> bool:
     penalty) or reads its log-probabilities."""
     p = row.params
     return (p.temperature < 1e-5 and p.logprobs is None and len(row.output_ids) >= p.min_tokens
-            and not _has_penalties(p) and not p.logit_bias)
+            and not has_penalties(p) and not p.logit_bias)
 
 
 def _put(logits: torch.Tensor, row_ids: list[int], token_ids: list[int],
@@ -94,9 +101,10 @@ def _put(logits: torch.Tensor, row_ids: list[int], token_ids: list[int],
     if not row_ids:
         return
     device = logits.device
-    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
-    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device),
-                      accumulate=accumulate)
+    if isinstance(values, float):
+        values = [values] * len(row_ids)
+    index = (to_device(row_ids, device), to_device(token_ids, device, torch.int64))
+    logits.index_put_(index, to_device(values, device, logits.dtype), accumulate=accumulate)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -136,7 +144,7 @@ def token_counts(id_arrays: list[np.ndarray], vocab: int, device: torch.device) 
     padded = np.full((len(id_arrays), width), vocab, dtype=np.int64)
     for r, a in enumerate(id_arrays):
         padded[r, :len(a)] = a
-    ids = torch.from_numpy(padded).to(device)
+    ids = to_device(padded, device)
     counts = torch.zeros(len(id_arrays), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
@@ -146,17 +154,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Repetition (CTRL: seen in prompt or output), frequency and presence (OpenAI: output
     counts) penalties, in place, for the rows that have any, together. A row whose penalty is
     neutral (1.0, or 0.0) comes out bit-identical: x / 1, x * 1 and x - 0 are exact."""
-    picked = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
+    picked = [i for i, r in enumerate(rows) if has_penalties(r.params)]
     if not picked:
         return
     device, vocab = logits.device, logits.shape[-1]
     params = [rows[i].params for i in picked]
-    index = torch.tensor(picked, device=device)
+    index = to_device(picked, device)
     sub = logits[index]
     counts = token_counts([rows[i].output_ids for i in picked], vocab, device)
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=sub.dtype, device=device)[:, None]
+        return to_device(values, device, sub.dtype)[:, None]
 
     if any(p.repetition_penalty != 1.0 for p in params):
         # Only rows with a repetition penalty need their prompt; the rest count an empty one.
@@ -207,10 +215,11 @@ class Sampler:
     def _edit_and_sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                          grammar_mask: tuple[torch.Tensor, list[int]] | None) -> SamplerOutput:
         logits = logits.float()
+        device = logits.device
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = None
         if logprob_rows:
-            raw = logits if len(logprob_rows) == len(rows) else logits[logprob_rows]
+            raw = logits if len(logprob_rows) == len(rows) else logits[to_device(logprob_rows, device)]
             raw_logprobs = torch.log_softmax(raw, dim=-1)
 
         # vLLM's order: logit_bias and min_tokens, then penalties, then the grammar, before
@@ -228,13 +237,14 @@ class Sampler:
         elif not greedy:
             tokens = self._sample(logits, rows)
         else:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            tokens[greedy] = self._argmax(logits[greedy])
-            tokens[random] = self._sample(logits[random], [rows[i] for i in random])
+            tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+            greedy_index, random_index = to_device(greedy, device), to_device(random, device)
+            tokens[greedy_index] = self._argmax(logits[greedy_index])
+            tokens[random_index] = self._sample(logits[random_index], [rows[i] for i in random])
 
         logprobs = None
         if raw_logprobs is not None:
-            chosen = tokens if len(logprob_rows) == len(rows) else tokens[logprob_rows]
+            chosen = tokens if len(logprob_rows) == len(rows) else tokens[to_device(logprob_rows, device)]
             logprobs = batched_logprobs(raw_logprobs, chosen,
                                         [rows[i].params.logprobs for i in logprob_rows])
         return SamplerOutput(tokens, logprobs, logprob_rows)
@@ -242,7 +252,7 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([r.params.temperature for r in rows], device=device)
+        temps = to_device([r.params.temperature for r in rows], device)
         logits = logits / temps[:, None]
         # The sort behind top-k/top-p is most of a step's sampling time: only rows that ask pay it.
         cut = [i for i, r in enumerate(rows) if r.params.top_k > 0 or r.params.top_p < 1.0]
@@ -252,25 +262,25 @@ class Sampler:
             if len(cut) == len(rows):
                 logits = _top_k_top_p(logits, top_k, top_p)
             else:
-                index = torch.tensor(cut, device=device)
+                index = to_device(cut, device)
                 logits[index] = _top_k_top_p(logits[index], top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
         if any(r.params.min_p > 0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+            min_p = to_device([r.params.min_p for r in rows], device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs.masked_fill_(probs < threshold, 0.0)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; E from the row's key.
-        keys = torch.tensor([row_key(r.seed, len(r.output_ids)) for r in rows], device=device)
+        keys = to_device([row_key(r.seed, len(r.output_ids)) for r in rows], device, torch.int64)
         return probs.div_(exponential_noise(keys, probs.shape[-1])).argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+    ks = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-    ps = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+    ps = to_device(top_p, logits.device, logits.dtype)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -293,5 +303,5 @@ def batched_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: l
 def logprobs_lists(logprobs: torch.Tensor, token_ids: torch.Tensor | list[int], num_top: int
                    ) -> list[TokenLogprobs]:
     """Prompt logprobs: `batched_logprobs` for rows that all keep `num_top`, as Python lists."""
-    ids = torch.as_tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    ids = to_device(token_ids, logprobs.device, torch.long)
     return batched_logprobs(logprobs, ids, [num_top] * len(ids)).to_lists()

@@ -11,6 +11,7 @@ from treadle.config import TreadleConfig, kv_cache_sized_by_profile, num_blocks_
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.structured_output.params import StructuredOutputsParams
+from treadle.worker.deferred_step import DeferredStep
 from treadle.worker.memory_profile import free_device_memory, profile_memory
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.weight_transfer import WeightReceiver
@@ -49,7 +50,9 @@ class Worker:
         self.runner.free_kv_cache()
         self.runner.on_device.release_cached_memory()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | DeferredStep:
+        """The step's output, or the step deferred (worker/deferred_step.py: only where the
+        in-process executor allowed it, which finishes it)."""
         return self.runner.execute_model(scheduler_output)
 
     def warm_grammar(self, params: StructuredOutputsParams) -> None:

@@ -46,9 +46,12 @@ void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* o, int
     }
   }
 #endif
+  // The same rewrite without AVX-512 (and for the tail): e^-g itself overflows past g = -88,
+  // and under -ffast-math glibc's vector exp then returns garbage (NaN on an AVX2 Zen 3).
   for (; i < n; ++i) {
     const float g = static_cast<float>(gate[i]);
-    const float s = static_cast<float>(round_to<scalar_t>(g / (1.f + std::exp(-g))));
+    const float e = std::exp(std::max(-std::fabs(g), -87.f));
+    const float s = static_cast<float>(round_to<scalar_t>((g < 0.f ? g * e : g) / (1.f + e)));
     o[i] = round_to<scalar_t>(s * static_cast<float>(up[i]));
   }
 }

@@ -1,0 +1,76 @@
+"""A step waits for the GPU once: for its sampled tokens (and logprobs), copied into pinned
+memory and waited on through an event (treadle/device_copy.py). Everything else a step sends up
+(token ids, positions, block tables, slot mappings, sampling parameters, row indices) goes from
+pinned memory without waiting. On a GPU the steps run under torch.cuda.set_sync_debug_mode
+("error"), which raises at any other wait, with every sampling feature the batched sampler has;
+greedy rows stay token-identical to transformers. On the CPU the same code is the suite's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.family_support import PretrainedReference
+from treadle import LLM, SamplingParams
+from treadle.device_copy import sanctioned_sync, to_device, to_host
+
+
+def test_copies_on_a_cpu_are_the_host_tensors_themselves():
+    values = torch.arange(4).numpy()
+    up = to_device(values, torch.device("cpu"))
+    assert up.data_ptr() == values.__array_interface__["data"][0]
+    assert to_device([1.5, 2.0], torch.device("cpu")).dtype == torch.float32
+    assert to_device([1, 2], torch.device("cpu"), torch.int32).dtype == torch.int32
+    (down,) = to_host(up)
+    assert down is up
+    with sanctioned_sync():   # no CUDA: nothing to exempt, and nothing fails
+        pass
+
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=12,
+                   ignore_eos=True),
+    SamplingParams(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.3,
+                   presence_penalty=0.2, seed=3, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.0, logprobs=3, logit_bias={11: 2.0}, min_tokens=4, max_tokens=12),
+]
+PROMPTS = [list(range(5, 21)), list(range(40, 47)), list(range(100, 140)), [9, 8, 7]]
+
+
+def run(path: str, device: str, backend: str, strict: bool) -> None:
+    """Every sampling feature in one batch, with chunked prefill; with `strict`, each step
+    under set_sync_debug_mode("error")."""
+    with LLM(path, device=device, attention_backend=backend, dtype="float32", block_size=16,
+             max_num_seqs=8, max_num_batched_tokens=32) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        execute = runner.execute_model
+        steps = []
+
+        def checked(scheduler_output):
+            if strict:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                return execute(scheduler_output)
+            finally:
+                if strict:
+                    torch.cuda.set_sync_debug_mode(0)
+                steps.append(scheduler_output.total_num_scheduled_tokens)
+
+        runner.execute_model = checked
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    # Chunked prefill (a 40-token prompt over 32-token steps), decodes, both in one step.
+    assert len(steps) > 10 and max(steps) == 32
+    assert list(outs[0].outputs[0].token_ids) == PretrainedReference(path).greedy(PROMPTS[0], 12)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert len(outs[3].outputs[0].logprobs) == 12 and len(outs[3].outputs[0].logprobs[0]) >= 3
+
+
+def test_every_sampling_feature_in_one_batch_on_the_cpu(llama):
+    run(llama, "cpu", "torch", strict=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_step_waits_for_the_gpu_only_for_its_sampled_tokens(tiny_checkpoints, backend):
+    run(tiny_checkpoints["llama"], "cuda", backend, strict=True)

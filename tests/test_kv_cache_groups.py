@@ -22,7 +22,7 @@ from tests.family_support import PretrainedReference as Reference
 from tests.kernel_support import needs_kernels
 from tests.test_scheduler import BS, make_request, make_scheduler
 from tests.test_token_ledger import random_drafts, run_random_requests
-from tests.test_window_eviction import CheckedRunner, ReuseLog, long_prompts
+from tests.test_window_eviction import CheckedRunner, long_prompts, run_evicting
 from tests.tiny_models import make_tiny_checkpoint
 from treadle import LLM, SamplingParams
 from treadle.config import EngineArgs
@@ -188,20 +188,7 @@ def test_local_blocks_leave_mid_request_and_output_matches_transformers(hybrid, 
         assert [a.kv_group for a in attn] == list(llm.engine.core.config.cache.kv_groups.layer_group)
         # Layers of different groups share a tensor; a layer never shares with its own group.
         assert len({id(t) for t in runner.kv_caches}) == llm.engine.core.config.cache.kv_groups.group_size
-        log = ReuseLog(kv)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outs] == want
-        stats = llm.get_stats()
-        assert stats.num_window_freed_blocks == kv.num_window_freed_blocks > 20
-        assert log.reused, "no block given back behind a window went to another request"
-        assert stats.num_preemptions > 0
-        assert stats.spec_decoding.num_draft_tokens > 0
-        hits_before = stats.prefix_cache_hits
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch[:2]], params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outs] == want[:2]
-        assert llm.get_stats().prefix_cache_hits > hits_before
-        kv.assert_no_leaks()
+        run_evicting(llm, batch, want, min_freed=20)
 
 
 def test_groups_hold_a_long_prompt_in_less_memory_than_one_table(hybrid):

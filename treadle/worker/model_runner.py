@@ -291,8 +291,9 @@ class ModelRunner:
         input_ids = slots.token_ids[token_slot, positions]
         patch = (previous.device_tokens_for(token_slot, positions, slots.max_num_reqs)
                  if previous is not None else None)
-        assert (np.delete(input_ids, patch[0] if patch else []) != PLACEHOLDER).all(), (
-            "a row reads a deferred token that its step did not provide")
+        assert np.array_equal(np.flatnonzero(input_ids == PLACEHOLDER),
+                              patch[0] if patch is not None else []), (
+            "the rows reading a deferred token are not the ones its step provides")
         rope_positions = positions
         if self.long_rope_offset:
             rope_positions = positions + self.long_rope_offset * slots.long_rope[token_slot]

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from treadle import LLM, SamplingParams  # noqa: E402
+from treadle.config import window_reach  # noqa: E402
 from moe_decode import build_model  # noqa: E402 (this folder, the script's own)
 from treadle.models.moe import SparseMoeBlock  # noqa: E402
 
@@ -141,6 +142,12 @@ def hybrid(prompt_len: int, window_len: int, block_size: int) -> None:
                 engine.step()
                 peak = max(peak, kv.pool.num_usable_blocks - kv.pool.num_free_blocks)
             freed = kv.num_window_freed_blocks
+            config = engine.core.config
+            # The longest request a cache of just the peak admits: counting every group as
+            # holding all of it (before), and each local group as its window and a step's reach.
+            longest = {name: config.cache.capacity_tokens(peak + 1, reach)
+                       for name, reach in (("every group all of it", None),
+                                           ("local groups their window", window_reach(config)))}
     whole = 6 * -(-(prompt_len + 16) // block_size)   # layer-blocks: a block per layer
     per_layer_token_12b = 8 * (2 * 8 * 256 * 2)   # a layer here stands for 8 of 12B's: 64 KiB a token
     print(f"prompt {prompt_len} + 16 output tokens, window {window_len}, blocks of {block_size}, "
@@ -150,6 +157,9 @@ def hybrid(prompt_len: int, window_len: int, block_size: int) -> None:
     for name, n in (("one table, whole sequence", whole), ("a table per group", peak)):
         print(f"| {name} | {n} | {n * block_size * per_layer_token_12b / MIB:.0f} MiB |")
     print(f"saved: {1 - peak / whole:.0%}")
+    print(f"the longest request a cache of {peak} blocks admits (max_model_len's cap):")
+    for name, tokens in longest.items():
+        print(f"| counting {name} | {tokens:,} tokens |")
 
 
 def main() -> None:

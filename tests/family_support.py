@@ -42,6 +42,12 @@ class PretrainedReference:
                                   do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         return out[0, len(ids):].tolist()
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """log p(token i | tokens before it), for i >= 1."""
+        lps = torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        return lps[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
 
 def random_prompts(n: int, shortest: int, seed: int) -> list[list[int]]:
     """n prompts of ordinary token ids, `shortest` tokens long and 17 more each."""

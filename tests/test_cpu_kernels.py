@@ -203,7 +203,7 @@ def test_native_decode_matches_dense_attention(dtype, tol, heads, kv_heads, num_
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
-def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size, lens_in_front=None):
+def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size, lens_in_front=None, q_scale=1.0):
     """The decode kernel's output on scattered blocks, and float64 attention's. The first
     sequences are 1,100 tokens long (parts of 512 in the vector kernel, the last short; of
     1,024 on tiles), 1, 513 (a last part of one token), 17, 300, 16 and 33, or `lens_in_front`;
@@ -222,7 +222,7 @@ def _run_decode(dtype, heads, kv_heads, num_seqs, head_dim, block_size, lens_in_
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     # q as the model hands it over: a strided view into a fused qkv output.
-    qkv = torch.randn(num_seqs, heads + 2 * kv_heads, head_dim).to(dtype)
+    qkv = (torch.randn(num_seqs, heads + 2 * kv_heads, head_dim) * q_scale).to(dtype)
     q = qkv[:, :heads]
     out = torch.full((num_seqs, heads, head_dim), float("nan"), dtype=dtype)
     scale = head_dim ** -0.5
@@ -337,7 +337,7 @@ def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypat
     assert runs["1"] == runs["0"]
 
 
-def _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim=64, seed=0):
+def _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim=64, seed=0, q_scale=1.0):
     """A cache with scattered blocks and the spans' (context, query) K/V in it, every other
     slot NaN: a kernel that reads past a span's keys shows it. q is a strided view into a
     fused qkv tensor, as the model hands it over."""
@@ -357,7 +357,7 @@ def _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim=64, 
         for cache in (k_cache, v_cache):
             cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(total, kv_heads, head_dim).to(dtype)
     num_tokens = sum(n for _, n in spans)
-    q = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim).to(dtype)[:, :heads]
+    q = (torch.randn(num_tokens, heads + 2 * kv_heads, head_dim) * q_scale).to(dtype)[:, :heads]
     query_start = np.concatenate([[0], np.cumsum([n for _, n in spans])]).astype(np.int32)
     return q, k_cache, v_cache, table, query_start
 
@@ -395,9 +395,10 @@ def test_native_prefill_matches_dense_attention(dtype, tol, heads, kv_heads, blo
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
-def _run_prefill(spans, heads, kv_heads, block_size, dtype, head_dim):
+def _run_prefill(spans, heads, kv_heads, block_size, dtype, head_dim, q_scale=1.0):
     """The kernel's output for the spans (context, queries), and float64 attention's."""
-    q, k_cache, v_cache, table, query_start = _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim)
+    q, k_cache, v_cache, table, query_start = _paged_prefill_case(spans, heads, kv_heads, block_size, dtype, head_dim,
+                                                                  q_scale=q_scale)
     context_lens = [ctx for ctx, _ in spans]
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     scale = head_dim ** -0.5
@@ -420,6 +421,18 @@ def test_native_prefill_bf16_on_amx_tiles_and_vectors(monkeypatch, heads, kv_hea
         outs[switch], expected = _run_prefill(PREFILL_SPANS, heads, kv_heads, block_size, torch.bfloat16, head_dim)
         torch.testing.assert_close(outs[switch].double(), expected, rtol=2e-2, atol=2e-2)
     assert torch.equal(outs["1"], outs["0"]) != HAS_AMX
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (40, 8)])
+def test_attention_holds_with_scores_far_apart(head_dim, block_size):
+    """Queries 50x the usual size put a row's scores hundreds apart, so the softmax's exp
+    arguments go far below -88, where fp32 underflows (the SiLU's scalar path once took its
+    exp past the other end, into NaN, under -ffast-math on a CPU without AVX-512)."""
+    out, expected = _run_decode(torch.float32, 9, 3, 8, head_dim, block_size, q_scale=50.0)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+    out, expected = _run_prefill(PREFILL_SPANS, 9, 3, block_size, torch.float32, head_dim, q_scale=50.0)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
 
 
 @needs_kernels

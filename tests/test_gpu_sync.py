@@ -1,9 +1,10 @@
-"""A step waits for the GPU once: for its sampled tokens (and logprobs), copied into pinned
-memory and waited on through an event (treadle/device_copy.py). Everything else a step sends up
-(token ids, positions, block tables, slot mappings, sampling parameters, row indices) goes from
-pinned memory without waiting. On a GPU the steps run under torch.cuda.set_sync_debug_mode
-("error"), which raises at any other wait, with every sampling feature the batched sampler has;
-greedy rows stay token-identical to transformers. On the CPU the same code is the suite's."""
+"""A step waits for the GPU once: for its sampled tokens (and logprobs and prompt logprobs),
+copied into pinned memory and waited on through an event (treadle/device_copy.py). Everything
+else a step sends up (token ids, positions, block tables, slot mappings, sampling parameters,
+row indices) goes from pinned memory without waiting. On a GPU the steps run under
+torch.cuda.set_sync_debug_mode("error"), which raises at any other wait, with every sampling
+feature the batched sampler has; greedy rows stay token-identical to transformers, prompt
+logprobs equal theirs. On the CPU the same code is the suite's."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ def test_copies_on_a_cpu_are_the_host_tensors_themselves():
         pass
 
 
+# Prompt logprobs for two requests in the same steps, keeping different numbers of top tokens,
+# one over two chunks.
 PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=4),
     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=12,
                    ignore_eos=True),
     SamplingParams(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.3,
-                   presence_penalty=0.2, seed=3, max_tokens=12, ignore_eos=True),
+                   presence_penalty=0.2, seed=3, max_tokens=12, ignore_eos=True, prompt_logprobs=1),
     SamplingParams(temperature=0.0, logprobs=3, logit_bias={11: 2.0}, min_tokens=4, max_tokens=12),
 ]
 PROMPTS = [list(range(5, 21)), list(range(40, 47)), list(range(100, 140)), [9, 8, 7]]
@@ -61,9 +64,17 @@ def run(path: str, device: str, backend: str, strict: bool) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     # Chunked prefill (a 40-token prompt over 32-token steps), decodes, both in one step.
     assert len(steps) > 10 and max(steps) == 32
-    assert list(outs[0].outputs[0].token_ids) == PretrainedReference(path).greedy(PROMPTS[0], 12)
+    ref = PretrainedReference(path)
+    assert list(outs[0].outputs[0].token_ids) == ref.greedy(PROMPTS[0], 12)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     assert len(outs[3].outputs[0].logprobs) == 12 and len(outs[3].outputs[0].logprobs[0]) >= 3
+    for i, num_top in ((0, 4), (2, 1)):
+        ids, lps = PROMPTS[i], outs[i].prompt_logprobs
+        assert lps[0] is None and len(lps) == len(ids)
+        assert all(num_top <= len(entry) <= num_top + 1 for entry in lps[1:])
+        got = torch.tensor([lps[j][ids[j]].logprob for j in range(1, len(ids))])
+        torch.testing.assert_close(got, ref.prompt_logprobs(ids), rtol=0, atol=1e-3)
+    assert outs[1].prompt_logprobs is None
 
 
 def test_every_sampling_feature_in_one_batch_on_the_cpu(llama):

@@ -22,11 +22,11 @@ from tests.family_support import PretrainedReference as Reference
 from tests.kernel_support import needs_kernels
 from tests.test_scheduler import BS, make_request, make_scheduler
 from tests.test_token_ledger import random_drafts, run_random_requests
-from tests.test_window_eviction import CheckedRunner, long_prompts, run_evicting
+from tests.test_window_eviction import CheckedRunner, ledger_reach, long_prompts, longest_blocks, run_evicting
 from tests.tiny_models import make_tiny_checkpoint
 from treadle import LLM, SamplingParams
-from treadle.config import EngineArgs
-from treadle.core.kv_cache_groups import kv_cache_groups
+from treadle.config import EngineArgs, window_reach
+from treadle.core.kv_cache_groups import kv_cache_groups, window_blocks
 from treadle.core.kv_cache_manager import KVCacheManager, group_hash
 
 W = 24
@@ -71,6 +71,32 @@ def test_a_configured_connector_keeps_one_group(tmp_path_factory):
     # A block serves one layer of each group: a third of the bytes of one for every layer.
     one_layer = plain.cache.bytes_per_block(plain.model)
     assert connected.cache.bytes_per_block(connected.model) == 3 * one_layer
+
+
+def test_a_windowed_group_counts_its_window_and_reach_not_the_request():
+    groups = kv_cache_groups([S, F, S])
+    # A step reaching 20 past the confirmed count, blocks of 8: keys from 23 before that count
+    # through 20 after it touch at most cdiv(43, 8) + 1 = 7 blocks.
+    assert window_blocks(W, 8, 20) == 7
+    assert groups.peak_blocks(200, 8, 20) == 25 + 7 + 7
+    assert groups.peak_blocks(40, 8, 20) == 3 * 5     # shorter than the caps: all of it
+    assert groups.peak_blocks(200, 8, None) == 3 * 25   # no reach known: every group all of it
+    assert groups.capacity_tokens(43, 8, 20) == 29 * 8   # 29 + 7 + 7 = 43
+    assert groups.capacity_tokens(43, 8, None) == 14 * 8
+    only_local = kv_cache_groups([S, S])
+    assert only_local.capacity_tokens(7, 8, 20) is None   # any length: the window is all it holds
+    assert only_local.capacity_tokens(6, 8, 20) == 6 * 8
+
+
+def test_the_reach_counts_a_step_and_the_unknown_tokens_of_the_others_in_flight(tmp_path_factory):
+    path = make_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("tiny-gemma3-reach"),
+                                tie_word_embeddings=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    assert window_reach(EngineArgs(model=path, device="cpu", max_num_batched_tokens=16)
+                        .create_config()) == 16
+    assert window_reach(EngineArgs(model=path, device="cpu", max_num_batched_tokens=16,
+                                   async_scheduling=True, speculative_config=spec)
+                        .create_config()) == 16 + 1 * (1 + 3)
 
 
 # -- the block manager ---------------------------------------------------------------------
@@ -137,11 +163,12 @@ def test_groups_under_random_interleavings(num_blocks, depth, budget, window, nu
                                            seed, num_events):
     rng = random.Random(seed)
     windows = (None,) + (window,) * num_local
-    sched = make_scheduler(num_blocks=num_blocks, budget=budget, window=windows, caching=caching)
+    sched = make_scheduler(num_blocks=num_blocks, budget=budget, window=windows, caching=caching,
+                           reach=ledger_reach(budget, depth))
     runner = CheckedRunner(sched, random_drafts(random.Random(seed + 1)))
-    # The longest request fits when every group holds all of it (KVCacheManager.can_fit).
-    per_group = (num_blocks - 1) // len(windows) + 1
-    run_random_requests(runner, rng, per_group, num_events, depth, max_prompt=40, max_tokens=30)
+    # Requests as long as the full group and the windowed groups' caps let them be.
+    run_random_requests(runner, rng, longest_blocks(sched), num_events, depth, max_prompt=40,
+                        max_tokens=30)
 
 
 # -- Gemma 2 and 3 against transformers ------------------------------------------------------
@@ -189,6 +216,33 @@ def test_local_blocks_leave_mid_request_and_output_matches_transformers(hybrid, 
         # Layers of different groups share a tensor; a layer never shares with its own group.
         assert len({id(t) for t in runner.kv_caches}) == llm.engine.core.config.cache.kv_groups.group_size
         run_evicting(llm, batch, want, min_freed=20)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_longer_than_every_group_could_hold_runs_within_the_windows(hybrid, async_scheduling):
+    """The local groups hold their window and a step's reach, not the request: a 200-token
+    prompt runs where the cache holds 112 (Gemma 3) or 168 (Gemma 2) tokens in every group,
+    which is where max_model_len was capped before, token-identical to transformers, with
+    drafts or async scheduling (KVCacheManager asserts the caps at every allocation)."""
+    arch, path = hybrid
+    rng = random.Random(5)
+    loop = [rng.randrange(100, 40000) for _ in range(12)]
+    prompt = ([rng.randrange(100, 40000) for _ in range(40)] + loop * 14)[:200]
+    want = Reference(path).greedy(prompt, 16)
+    with LLM(path, dtype="float32", block_size=BLOCK, num_kv_blocks=44, max_model_len=232,
+             max_num_batched_tokens=16, async_scheduling=async_scheduling,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_min": 1, "prompt_lookup_max": 4}) as llm:
+        core = llm.engine.core
+        cache = core.config.cache
+        assert cache.capacity_tokens(44) < len(prompt) <= cache.capacity_tokens(44, window_reach(core.config))
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == want
+        kv = core.scheduler.kv_cache
+        assert kv.num_window_freed_blocks > 20
+        assert async_scheduling or llm.get_stats().spec_decoding.num_draft_tokens > 0
+        kv.assert_no_leaks()
 
 
 def test_groups_hold_a_long_prompt_in_less_memory_than_one_table(hybrid):

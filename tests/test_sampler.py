@@ -9,7 +9,7 @@ import torch
 from treadle.core.scheduler_output import TokenLogprobs
 from treadle.sampling_params import SamplingParams
 from treadle.worker.sampler import (Sampler, SamplingRow, apply_logit_bias, apply_penalties,
-                                    logprobs_lists)
+                                    batched_logprobs)
 
 V = 8
 
@@ -263,5 +263,9 @@ def test_prompt_logprobs_in_one_batch_equal_them_row_by_row():
     lps = torch.log_softmax(torch.randn(7, 100) * 2, dim=-1)
     targets = [3, 99, 0, 50, 50, 7, 12]
     for num_top in (0, 1, 4):
-        assert logprobs_lists(lps, targets, num_top) == [
-            token_logprobs(lps[j], t, num_top) for j, t in enumerate(targets)]
+        batch = batched_logprobs(lps, torch.tensor(targets), [num_top] * len(targets))
+        assert batch.to_lists() == [token_logprobs(lps[j], t, num_top) for j, t in enumerate(targets)]
+    # Rows keeping different numbers of top tokens, as requests asking for different ones do.
+    tops = [0, 3, 1, 5, 0, 2, 4]
+    assert batched_logprobs(lps, torch.tensor(targets), tops).to_lists() == [
+        token_logprobs(lps[j], t, n) for j, (t, n) in enumerate(zip(targets, tops))]

@@ -18,14 +18,15 @@ BS = 4
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, budget=64, chunked=True, policy="fcfs",
-                   max_model_len=256, caching=True, window=None) -> Scheduler:
+                   max_model_len=256, caching=True, window=None, reach=None) -> Scheduler:
     """`window`: every layer's sliding window (blocks behind it are given back); a tuple: each
-    KV cache group's (core/kv_cache_groups.py)."""
+    KV cache group's (core/kv_cache_groups.py). `reach`: config.window_reach, which bounds
+    (and asserts) what a windowed group holds."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         scheduling_policy=policy, enable_chunked_prefill=chunked),
         CacheConfig(block_size=BS, enable_prefix_caching=caching, kv_groups=groups_of(window)),
-        num_blocks=num_blocks, max_model_len=max_model_len)
+        num_blocks=num_blocks, max_model_len=max_model_len, window_reach=reach)
 
 
 def groups_of(window: int | None | tuple) -> KVCacheGroups:

@@ -58,13 +58,16 @@ def perfect_drafts(k: int) -> Proposer:
     return lambda rid, pos: [target(rid, pos + j) for j in range(k)]
 
 
+MAX_RANDOM_DRAFTS = 4
+
+
 def random_drafts(rng: random.Random) -> Proposer:
-    """Half the time 1..4 drafts, each right with probability 0.7."""
+    """Half the time 1..MAX_RANDOM_DRAFTS drafts, each right with probability 0.7."""
     def propose(rid: str, pos: int) -> list[int]:
         if rng.random() < 0.5:
             return []
         return [target(rid, pos + j) if rng.random() < 0.7 else WRONG_DRAFT + j
-                for j in range(rng.randint(1, 4))]
+                for j in range(rng.randint(1, MAX_RANDOM_DRAFTS))]
     return propose
 
 

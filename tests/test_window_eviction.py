@@ -27,12 +27,12 @@ from tests.family_support import PretrainedReference as Reference
 from tests.kernel_support import needs_kernels
 from tests.test_kv_load_recovery import FakeStore
 from tests.test_scheduler import BS, groups_of, make_request, make_scheduler
-from tests.test_token_ledger import (AsyncRunner, perfect_drafts, random_drafts,
+from tests.test_token_ledger import (MAX_RANDOM_DRAFTS, AsyncRunner, perfect_drafts, random_drafts,
                                      run_random_requests)
 from tests.tiny_models import make_tiny_checkpoint
 from treadle import LLM, SamplingParams
 from treadle.config import CacheConfig, SchedulerConfig, layer_windows
-from treadle.core.kv_cache_groups import kv_cache_groups
+from treadle.core.kv_cache_groups import kv_cache_groups, step_reach
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.scheduler import Scheduler
 
@@ -54,6 +54,19 @@ def check_window_state(sched: Scheduler) -> None:
                     f"{rid}: {n} blocks given back, but a query at {confirmed} still reads them")
     assert null.ref_cnt == 0 and null.block_hash is None
     kv.pool.check_invariants()
+
+
+def ledger_reach(budget: int, depth: int) -> int:
+    """config.window_reach for the ledger's runs: `budget` tokens a step, `depth` steps in
+    flight, each with a sampled token and random drafts."""
+    return step_reach(budget, depth, MAX_RANDOM_DRAFTS)
+
+
+def longest_blocks(sched: Scheduler) -> int:
+    """The block count to size random requests by (run_random_requests): one more than the
+    longest request the cache can hold, in blocks, its windowed groups at their caps."""
+    longest = max(n for n in range(1, sched.max_model_len + 1) if sched.kv_cache.can_fit(n))
+    return longest // BS + 1
 
 
 class CheckedRunner(AsyncRunner):
@@ -121,7 +134,7 @@ def test_given_back_blocks_go_to_another_request_while_the_first_runs():
 @pytest.mark.parametrize("drafts", ["perfect", "random"])
 def test_drafts_and_async_steps_never_lose_a_block_their_window_needs(depth, drafts):
     window = 5
-    sched = make_scheduler(num_blocks=12, budget=8, window=window)
+    sched = make_scheduler(num_blocks=12, budget=8, window=window, reach=ledger_reach(8, depth))
     propose = perfect_drafts(3) if drafts == "perfect" else random_drafts(random.Random(depth))
     runner = CheckedRunner(sched, propose)
     for i in range(3):
@@ -211,10 +224,12 @@ def test_windows_under_random_interleavings(num_blocks: int, depth: int, budget:
                                             window: int, caching: bool, seed: int, num_events: int):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, budget=budget, policy=policy, window=window,
-                           caching=caching)
+                           caching=caching, reach=ledger_reach(budget, depth))
     runner = CheckedRunner(sched, random_drafts(random.Random(seed + 1)))
-    # Longer requests than the ledger's, so that windows fill and blocks go back.
-    run_random_requests(runner, rng, num_blocks, num_events, depth, max_prompt=40, max_tokens=30)
+    # Longer requests than the ledger's, so that windows fill and blocks go back; as long as
+    # the window's cap lets them be, so often longer than the cache.
+    run_random_requests(runner, rng, longest_blocks(sched), num_events, depth, max_prompt=40,
+                        max_tokens=30)
 
 
 # -- a tiny windowed Mistral against transformers --------------------------------------------

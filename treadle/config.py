@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from treadle.validate import check_seconds
-from treadle.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, one_group
+from treadle.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, one_group, step_reach
 from treadle.attention.backend import check_attention_backend
 from treadle.executor.registry import EXECUTORS
 
@@ -77,9 +77,11 @@ class CacheConfig:
         return (2 * self.kv_groups.group_size * self.block_size * model.num_kv_heads
                 * model.head_dim * elem)
 
-    def capacity_tokens(self, num_blocks: int) -> int:
-        """The longest sequence the cache could ever hold, every group keeping all of it."""
-        return (num_blocks - 1) // self.kv_groups.num_groups * self.block_size
+    def capacity_tokens(self, num_blocks: int, reach: int | None = None) -> int | None:
+        """The longest sequence the cache could ever hold (the null block aside); None: any.
+        `reach` (`window_reach`) bounds what a windowed group holds; without it every group
+        keeps all of a sequence."""
+        return self.kv_groups.capacity_tokens(num_blocks - 1, self.block_size, reach)
 
 
 @dataclass
@@ -589,6 +591,14 @@ def max_steps_in_flight(config: TreadleConfig) -> int:
     return config.parallel.pipeline_parallel_size + int(config.scheduler.async_scheduling)
 
 
+def window_reach(config: TreadleConfig) -> int:
+    """How far past a request's confirmed count one step can reach (core/kv_cache_groups.py
+    step_reach), for this engine's budget, batch queue and drafts."""
+    spec = config.speculative
+    return step_reach(config.scheduler.max_num_batched_tokens, max_steps_in_flight(config),
+                      spec.num_speculative_tokens if spec is not None else 0)
+
+
 # The most the default KV cache takes on CPU, and the share of the memory still available it
 # may take: the machine's other work (and the model's activations) need the rest.
 CPU_KV_CACHE_MAX_BYTES = 1 << 30
@@ -636,11 +646,12 @@ def num_blocks_from_budget(config: TreadleConfig, per_block: int | None = None,
 
 
 def _default_cpu_blocks(config: TreadleConfig, per_block: int) -> tuple[int, str]:
-    """(blocks, why) for a CPU cache sized by default: every sequence at its longest in every
-    KV cache group, plus the null block, unless memory bounds it first."""
+    """(blocks, why) for a CPU cache sized by default: every sequence at its longest (in every
+    KV cache group, a windowed one holding its window's share), plus the null block, unless
+    memory bounds it first."""
     max_seqs, max_len = config.scheduler.max_num_seqs, config.model.max_model_len
-    num_groups = config.cache.kv_groups.num_groups
-    needed = max_seqs * num_groups * -(-max_len // config.cache.block_size) + 1
+    cache = config.cache
+    needed = max_seqs * cache.kv_groups.peak_blocks(max_len, cache.block_size, window_reach(config)) + 1
     world = config.parallel.world_size
     available = available_memory_bytes()
     bounds = [(needed, f"max_num_seqs {max_seqs} x max_model_len {max_len}"),
@@ -655,4 +666,4 @@ def _default_cpu_blocks(config: TreadleConfig, per_block: int) -> tuple[int, str
 
 __all__ = ["EngineArgs", "TreadleConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
            "SpeculativeConfig", "KVTransferConfig", "ParallelConfig", "StructuredOutputsConfig",
-           "num_blocks_from_budget", "max_steps_in_flight"]
+           "num_blocks_from_budget", "max_steps_in_flight", "window_reach"]

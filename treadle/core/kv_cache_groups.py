@@ -13,6 +13,12 @@ tensor j, and all groups draw their blocks from one pool: a block id is memory f
 `group_size` layers, and whichever group holds it writes it in its own layers' tensors. So a
 block costs the same whatever group takes it, and no memory is set aside for either kind.
 
+A windowed group does not hold a whole request: its blocks behind the window leave as the
+request runs (core/kv_cache_manager.py), so at any moment it holds those that the window and one
+step's `reach` span (`window_blocks`). `peak_blocks` adds the groups up for one request, and
+`capacity_tokens` is the longest request the cache can hold by that measure; with no reach
+known, every group is counted as holding the whole request.
+
 With a KV connector there is one group whatever the layers: a connector saves and loads a
 request's KV as one block list shared by every layer (so no block leaves behind a window).
 """
@@ -54,6 +60,46 @@ class KVCacheGroups:
 
     def window_of_layer(self, layer: int) -> int | None:
         return self.group_windows[self.layer_group[layer]]
+
+    def group_caps(self, block_size: int, reach: int | None) -> list[int | None]:
+        """Each group's most blocks held by one request (None: all of its blocks)."""
+        return [None if w is None or reach is None else window_blocks(w, block_size, reach)
+                for w in self.group_windows]
+
+    def peak_blocks(self, num_tokens: int, block_size: int, reach: int | None) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, over all groups."""
+        n = -(-num_tokens // block_size)
+        return sum(n if cap is None else min(n, cap) for cap in self.group_caps(block_size, reach))
+
+    def capacity_tokens(self, num_blocks: int, block_size: int, reach: int | None) -> int | None:
+        """The longest request whose peak_blocks fit in `num_blocks`, in whole blocks; None
+        where every group is windowed and their caps fit: a request of any length."""
+        caps = self.group_caps(block_size, reach)
+        if None not in caps and sum(caps) <= num_blocks:
+            return None
+
+        def cost(n: int) -> int:
+            return sum(n if cap is None else min(n, cap) for cap in caps)
+
+        lo, hi = 0, num_blocks   # cost(lo) fits; every group needs a block per block of sequence
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= num_blocks else (lo, mid - 1)
+        return lo * block_size
+
+
+def step_reach(max_num_batched_tokens: int, steps_in_flight: int, max_drafts: int) -> int:
+    """The most positions one step can leave a request computed past its confirmed count (its
+    known tokens, computed): the step's own tokens, within the budget, and those that the other
+    steps in flight computed on tokens not yet known, a sampled one and its drafts each."""
+    return max_num_batched_tokens + (steps_in_flight - 1) * (1 + max_drafts)
+
+
+def window_blocks(window: int, block_size: int, reach: int) -> int:
+    """The most blocks a windowed group holds for one request, where no step leaves the request
+    more than `reach` positions past its confirmed count: the blocks that keys window - 1 before
+    that count, through reach after it, can touch. KVCacheManager asserts it."""
+    return -(-(window - 1 + reach) // block_size) + 1
 
 
 def one_group(layer_windows: Sequence[int | None]) -> KVCacheGroups:

@@ -42,6 +42,14 @@ those it needs come as null entries, as if given back behind the window. With se
 the hit is the longest that every group has: each group's longest within the others' shortest,
 until they agree.
 
+How many blocks a windowed group holds. A step's allocation first gives back what is behind
+the window of the request's confirmed count, then extends the list to the step's end. So the
+group holds the blocks of the window before the confirmed count and of what the step reaches
+past it (its own tokens, and those computed on tokens not yet known): with that reach bounded
+(`window_reach`, config.window_reach), at most kv_cache_groups.window_blocks of them, asserted
+at every allocation. `can_fit` counts a windowed group that way, so a request far longer than
+the cache can start, as long as its full-attention groups fit.
+
 A KV connector saves or sends a request's whole KV as one block list: with one configured,
 there is one group, and the scheduler passes no window here.
 """
@@ -52,6 +60,7 @@ import logging
 import sys
 
 from treadle.core.block_pool import BlockPool, KVCacheBlock
+from treadle.core.kv_cache_groups import window_blocks
 from treadle.request import BlockHash, Request
 
 logger = logging.getLogger(__name__)
@@ -74,13 +83,18 @@ GroupBlocks = list[list[KVCacheBlock]]
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 group_windows: tuple[int | None, ...] = (None,)) -> None:
+                 group_windows: tuple[int | None, ...] = (None,),
+                 window_reach: int | None = None) -> None:
         assert group_windows and all(w is None or w > 0 for w in group_windows)
         self.block_size = block_size
         self.enable_caching = enable_caching
         # Each group's sliding window (None: it keeps whole sequences).
         self.group_windows = tuple(group_windows)
         self.num_groups = len(group_windows)
+        self.has_windows = any(w is not None for w in group_windows)
+        # The most blocks a request holds in each group (None: all of its blocks; see the module).
+        self.group_caps = [None if w is None or window_reach is None
+                           else window_blocks(w, block_size, window_reach) for w in group_windows]
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         # How many leading blocks of each request, per group, were given back behind the
@@ -147,10 +161,14 @@ class KVCacheManager:
             self.prefix_queries += num_queried
             self.prefix_hits += num_hit
 
+    def peak_blocks(self, num_tokens: int) -> int:
+        """The most blocks a request of this many tokens holds at once, over its groups."""
+        n = cdiv(num_tokens, self.block_size)
+        return sum(n if cap is None else min(n, cap) for cap in self.group_caps)
+
     def can_fit(self, num_tokens: int) -> bool:
-        """Could a request of this many tokens ever be held, with every other block free (every
-        group holding all of it: a windowed group's blocks may not have left yet)?"""
-        return self.num_groups * cdiv(num_tokens, self.block_size) <= self.pool.num_usable_blocks
+        """Could a request of this many tokens ever be held, with every other block free?"""
+        return self.peak_blocks(num_tokens) <= self.pool.num_usable_blocks
 
     def allocate_slots(
         self,
@@ -165,15 +183,20 @@ class KVCacheManager:
         The first `num_external_tokens` of them are loaded by a KV connector: from their first
         block on, nothing of the request is published until the load is known to have
         succeeded (`settle_loaded`), since everything it computes on top depends on it.
-        Returns the newly allocated blocks of each group, or None (with nothing changed) when
+        Returns the newly allocated blocks of each group, or None (with nothing allocated) when
         the pool is short. With a sliding window, blocks behind the window of the step's first
-        query are given back afterwards (see the module's docstring).
+        query are given back first, and again after a prefix hit (see the module's docstring).
         """
         rid = request.request_id
         hits = new_computed_blocks or [[] for _ in self.group_windows]
         assert len(hits) == self.num_groups
-        groups = self.req_to_blocks.setdefault(rid, [[] for _ in self.group_windows])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if self.has_windows and rid in self.req_to_blocks:   # room the window no longer needs first
+            if self.enable_caching:   # blocks are published before they can be given back
+                num_known = min(num_computed, request.num_tokens) // self.block_size
+                self._publish(request, min(num_known, self.held_from.get(rid, num_known)))
+            self._release_behind_windows(request, num_computed)
+        groups = self.req_to_blocks.setdefault(rid, [[] for _ in self.group_windows])
         total = num_computed + num_new_tokens
         num_required = cdiv(total, self.block_size)
         num_new = [max(0, num_required - len(blocks) - len(hit)) for blocks, hit in zip(groups, hits)]
@@ -214,10 +237,18 @@ class KVCacheManager:
                 self.held_from[rid] = num_computed // self.block_size
             num_full = min(total, request.num_tokens) // self.block_size
             self._publish(request, min(num_full, self.held_from.get(rid, num_full)))
+        if self.has_windows:
+            self._release_behind_windows(request, num_computed)
+            for blocks, cap, released in zip(groups, self.group_caps, self.num_null_blocks(rid)):
+                assert cap is None or len(blocks) - released <= cap, (
+                    f"{rid} holds {len(blocks) - released} blocks of a windowed group, past its {cap}")
+        return new_blocks
+
+    def _release_behind_windows(self, request: Request, num_computed: int) -> None:
+        """Give back, in every windowed group, what no query from the confirmed count on reads."""
         for g, window in enumerate(self.group_windows):
             if window is not None:
                 self._release_behind_window(request, g, min(num_computed, request.num_tokens))
-        return new_blocks
 
     def _release_behind_window(self, request: Request, group: int, num_confirmed: int) -> None:
         """Give back the request's blocks of `group` wholly before the window of a query at

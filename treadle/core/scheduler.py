@@ -38,7 +38,9 @@ class Scheduler:
                  num_blocks: int, max_model_len: int, seed: int = 0,
                  connector: KVConnectorBase | None = None,
                  kv_load_failure_policy: str = "recompute",
-                 long_rope_after: int | None = None) -> None:
+                 long_rope_after: int | None = None, window_reach: int | None = None) -> None:
+        """`window_reach` (config.window_reach) bounds what a windowed KV cache group holds of a
+        request; without it, every group is counted as holding the whole request."""
         self.config = sched_config
         # LongRoPE (models/rope.py): a request longer than this takes the long factors for all
         # its tokens. One that grows past it is restarted and recomputed with them (as
@@ -65,7 +67,8 @@ class Scheduler:
         assert connector is None or len(windows) == 1, "KV connectors run with one KV cache group"
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size,
                                        cache_config.enable_prefix_caching,
-                                       windows if connector is None else (None,))
+                                       windows if connector is None else (None,),
+                                       window_reach)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(sched_config.scheduling_policy)
         self.running: list[Request] = []
@@ -100,9 +103,9 @@ class Scheduler:
                 f"max_model_len ({self.max_model_len}) to leave room for output")
         if not self.kv_cache.can_fit(request.num_tokens + 1):
             raise ValueError(
-                f"prompt of {request.num_tokens} tokens needs more KV blocks than the cache has "
-                f"({self.kv_cache.pool.num_usable_blocks} blocks of {self.block_size}, "
-                f"{self.kv_cache.num_groups} per position)")
+                f"prompt of {request.num_tokens} tokens needs "
+                f"{self.kv_cache.peak_blocks(request.num_tokens + 1)} KV blocks at once, more than "
+                f"the cache has ({self.kv_cache.pool.num_usable_blocks} blocks of {self.block_size})")
 
     def finish_requests(self, request_ids: list[str] | str, status: RequestStatus) -> None:
         """End requests from outside the step loop (abort, stop string found by the detokenizer)."""

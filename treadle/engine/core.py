@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from treadle.config import TreadleConfig, max_steps_in_flight
+from treadle.config import TreadleConfig, max_steps_in_flight, window_reach
 from treadle.core.scheduler import Scheduler
 from treadle.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from treadle.core.stats import SchedulerStats
@@ -47,8 +47,9 @@ class EngineCore:
         self.executor = create_executor(config)
         num_blocks = self.executor.num_blocks
         cache, model = config.cache, config.model
-        capacity = cache.capacity_tokens(num_blocks)
-        if model.max_model_len > capacity:
+        reach = window_reach(config)
+        capacity = cache.capacity_tokens(num_blocks, reach)
+        if capacity is not None and model.max_model_len > capacity:
             if model.max_model_len_is_explicit:   # as vLLM: the user's number is not lowered
                 self.executor.shutdown()
                 raise ValueError(
@@ -65,11 +66,14 @@ class EngineCore:
             connector=self.connector,
             kv_load_failure_policy=config.kv_transfer.kv_load_failure_policy
             if config.kv_transfer is not None else "recompute",
-            long_rope_after=long_rope_after(model.hf_config, model.max_model_len))
+            long_rope_after=long_rope_after(model.hf_config, model.max_model_len),
+            window_reach=reach)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency %.1fx at %d tokens",
                     num_blocks, cache.block_size,
                     num_blocks * cache.bytes_per_block(model) / 2**20,
-                    capacity / model.max_model_len, model.max_model_len)
+                    (num_blocks - 1) / cache.kv_groups.peak_blocks(model.max_model_len,
+                                                                   cache.block_size, reach),
+                    model.max_model_len)
         # Requests whose grammar is compiling: in the engine, not yet in the scheduler.
         self.grammars = GrammarGate(lambda: get_backend(
             config.structured_outputs.backend, model.model, model.vocab_size),

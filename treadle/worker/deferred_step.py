@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treadle.core.scheduler_output import ModelRunnerOutput, TokenLogprobs
+from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from treadle.device_copy import to_device
 from treadle.sampling_params import SamplingParams
 from treadle.worker.request_state import RequestSlots
-from treadle.worker.sampler import SamplerOutput, has_penalties
+from treadle.worker.sampler import Sampler, SamplerOutput, has_penalties, sampling_rows
 
 # A deferred token's stand-in in the slots: never a token id, so an input row that reads it
 # unpatched fails at the embedding instead of computing on a wrong token.
@@ -39,6 +39,15 @@ def plain(params: SamplingParams) -> bool:
             and not has_penalties(params))
 
 
+def plain_step(so: SchedulerOutput, slots: RequestSlots) -> bool:
+    """Whether every request of the step is plain and none verifies drafts."""
+    if so.scheduled_spec_decode_tokens:
+        return False
+    params = [new.sampling_params for new in so.scheduled_new_reqs]
+    params += [slots.params[slots.slot_of[rid]] for rid in so.scheduled_cached_reqs.req_ids]
+    return all(plain(p) for p in params)
+
+
 @dataclass
 class DeferredStep:
     req_ids: list[str]           # the step's requests, in its row order
@@ -48,6 +57,21 @@ class DeferredStep:
     samples: SamplerOutput       # on the device, one row per sampling request
     dropped: set[int] = field(default_factory=set)   # slots whose request has left since
     output: ModelRunnerOutput | None = None          # once finished
+
+    @classmethod
+    def queue(cls, sampler: Sampler, slots: RequestSlots, logits: torch.Tensor, req_ids: list[str],
+              idx: np.ndarray, rows: np.ndarray, ends: np.ndarray) -> DeferredStep:
+        """Queue the sampling of the step's `rows` (indices into req_ids; `idx`: every request's
+        slot; `logits`: one row per sampling request) and leave the tokens on the device: each
+        sampling slot advances over a PLACEHOLDER, and every slot's computed count becomes its
+        `ends` entry."""
+        slot_ids = idx[rows]
+        samples = sampler.sample(logits, sampling_rows(slots, slot_ids))
+        positions = slots.num_tokens[slot_ids].copy()
+        for slot in slot_ids:
+            slots.append_token(slot, PLACEHOLDER)
+        slots.num_computed_tokens[idx] = ends
+        return cls(req_ids, rows, slot_ids, positions, samples)
 
     def drop(self, slot: int) -> None:
         """The slot's request leaves (finished, aborted or preempted) before this step finished:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -12,21 +11,23 @@ import torch
 from treadle.attention.backend import AttentionMetadata, assign_kv_groups, create_attention_backend
 from treadle.config import TreadleConfig, max_steps_in_flight
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from treadle.device_copy import to_device
+from treadle.device_copy import to_device, to_host
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.distributed.pipeline import StageLink
 from treadle.kv_transfer import KVConnectorOutput, KVConnectorRole, create_connector
 from treadle.models import linear
-from treadle.models.loader import iter_hf_weights, prepare_model
+from treadle.models.loader import iter_hf_weights
 from treadle.models.registry import get_model_class
 from treadle.worker.cuda_graphs import DecodeGraphs
-from treadle.worker.deferred_step import PLACEHOLDER, DeferredStep, plain
+from treadle.worker.deferred_step import PLACEHOLDER, DeferredStep, plain_step
 from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.device import worker_device
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
-from treadle.worker.sampler import Sampler, SamplingRow, logprobs_lists
+from treadle.worker.prompt_logprobs import queue_prompt_logprobs
+from treadle.worker.sampler import Sampler, SamplerOutput, sampling_rows
 from treadle.worker.spec_decode.ngram import NgramProposer
+from treadle.worker.weight_controls import WeightControls
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 256
 
 
-class ModelRunner:
+class ModelRunner(WeightControls):
     def __init__(self, config: TreadleConfig, ctx: ParallelContext | None = None) -> None:
         self.config = config
         self.ctx = ctx = ctx or ParallelContext()
@@ -212,7 +213,7 @@ class ModelRunner:
         `finish_deferred` (or the next step) turns into the output."""
         self.step += 1
         previous, self._pending = self._pending, None
-        defer = self.defer_steps and self._plain(so)
+        defer = self.defer_steps and plain_step(so, self.slots)
         if previous is not None and not defer:
             previous.finish(self.slots)   # this step reads its tokens on the host
             previous = None
@@ -243,16 +244,6 @@ class ModelRunner:
         if self._pending is step:
             self._pending = None
         return step.finish(self.slots)
-
-    def _plain(self, so: SchedulerOutput) -> bool:
-        """Whether every request of the step is plain (worker/deferred_step.py) and none
-        verifies drafts."""
-        if so.scheduled_spec_decode_tokens:
-            return False
-        params = [new.sampling_params for new in so.scheduled_new_reqs]
-        params += [self.slots.params[self.slots.slot_of[rid]]
-                   for rid in so.scheduled_cached_reqs.req_ids]
-        return all(plain(p) for p in params)
 
     def _execute(self, so: SchedulerOutput, previous: DeferredStep | None = None,
                  defer: bool = False) -> ModelRunnerOutput | DeferredStep:
@@ -324,14 +315,22 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         request_errors: dict[str, str] = {}
-        if samples.any() and defer:
-            return self._defer(hidden, req_ids, idx, np.flatnonzero(samples),
-                               starts + q_lens - 1, ends)
-        if samples.any():
-            rows = np.flatnonzero(samples)
-            sampled_rows, logprobs_rows, slot_errors = self._sample_and_verify(
-                hidden, idx[rows], starts[rows] + q_lens[rows] - 1 - num_drafts[rows],
-                [drafts[r] for r in rows])
+        rows = np.flatnonzero(samples)
+        if len(rows) and defer:
+            logits = self.model.compute_logits(
+                hidden[to_device(starts[rows] + q_lens[rows] - 1, self.device, torch.int64)])
+            self._pending = DeferredStep.queue(self.sampler, slots, logits, req_ids, idx, rows, ends)
+            return self._pending
+        row_drafts = [drafts[r] for r in rows]
+        queued = (self._queue_samples(hidden, idx[rows], starts[rows] + q_lens[rows] - 1 - num_drafts[rows],
+                                      row_drafts) if len(rows) else None)
+        prompt = queue_prompt_logprobs(self.model, slots, hidden, req_ids, idx, starts, q_lens, ctx)
+        # The step's one wait: its samples and prompt logprobs come down together.
+        num_sampled = len(queued.tensors()) if queued is not None else 0
+        host = to_host(*(queued.tensors() if queued is not None else []), *prompt.tensors())
+        if queued is not None:
+            sampled_rows, logprobs_rows, slot_errors = self._verify(
+                queued.to_lists(host[:num_sampled]), idx[rows], row_drafts)
             request_errors = {req_ids[r]: slot_errors[int(idx[r])] for r in rows
                               if int(idx[r]) in slot_errors}
             for r, tokens, lps in zip(rows, sampled_rows, logprobs_rows):
@@ -356,27 +355,10 @@ class ModelRunner:
                 draft_token_ids[req_ids[r]] = self.grammars.valid_drafts(slot, self.proposer.propose(
                     slots.token_ids[slot, :slots.num_tokens[slot]]))
 
-        prompt_logprobs = self._prompt_logprobs(req_ids, idx, starts, q_lens, ctx, hidden)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, draft_token_ids=draft_token_ids,
+                                 prompt_logprobs=prompt.to_dict(host[num_sampled:]),
+                                 draft_token_ids=draft_token_ids,
                                  request_errors=request_errors)
-
-    def _defer(self, hidden: torch.Tensor, req_ids: list[str], idx: np.ndarray, rows: np.ndarray,
-               last_rows: np.ndarray, ends: np.ndarray) -> DeferredStep:
-        """Queue the sampling of `rows` (requests; `last_rows`: each request's last input row)
-        and leave their tokens on the device: the slots advance over a PLACEHOLDER each."""
-        slots = self.slots
-        slot_ids = idx[rows]
-        sampling_rows = [SamplingRow(slots.params[s], slots.seeds[s], slots.prompt_ids(s),
-                                     slots.output_ids(s), slots.eos_token_ids[s]) for s in slot_ids]
-        logits = self.model.compute_logits(hidden[to_device(last_rows[rows], self.device, torch.int64)])
-        samples = self.sampler.sample(logits, sampling_rows)
-        positions = slots.num_tokens[slot_ids].copy()
-        for slot in slot_ids:
-            slots.append_token(slot, PLACEHOLDER)
-        slots.num_computed_tokens[idx] = ends
-        self._pending = DeferredStep(req_ids, rows, slot_ids, positions, samples)
-        return self._pending
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
                  patch: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
@@ -394,32 +376,28 @@ class ModelRunner:
             self.link.send_hidden(hidden)
         return hidden
 
-    def _sample_and_verify(self, hidden: torch.Tensor, slot_ids: np.ndarray, first_rows: np.ndarray,
-                           drafts: list[list[int]]) -> tuple[
-                               list[list[int]], list[list[TokenLogprobs] | None], dict[int, str]]:
-        """Sample each request's next token; with k drafts, sample all 1 + k positions and keep
-        the drafts up to the first one the sample disagrees with, plus that sample. Also returns,
-        per slot whose grammar refused its tokens, why its request ends.
-
-        Each position samples exactly as decoding one token at a time would (same penalties
-        history, same positional seed), so output is identical with and without drafts: greedy
-        keeps the longest matching prefix plus the bonus token, and a sampled draft d survives
-        with probability p(d), else the sample comes from p without d — the same law as
-        rejection sampling against one-hot n-gram drafts.
-        """
-        slots = self.slots
-        row_index: list[int] = []
-        sampling_rows: list[SamplingRow] = []
-        for slot, first, d in zip(slot_ids, first_rows, drafts):
-            outputs = slots.output_ids(slot)
-            for j in range(len(d) + 1):
-                row_index.append(int(first) + j)
-                history = outputs if j == 0 else np.concatenate([outputs, np.asarray(d[:j], dtype=outputs.dtype)])
-                sampling_rows.append(SamplingRow(slots.params[slot], slots.seeds[slot],
-                                                 slots.prompt_ids(slot), history, slots.eos_token_ids[slot]))
+    def _queue_samples(self, hidden: torch.Tensor, slot_ids: np.ndarray, first_rows: np.ndarray,
+                       drafts: list[list[int]]) -> SamplerOutput:
+        """Queue the sampling of each request's next token; with k drafts, of all 1 + k positions
+        (rows from `first_rows`), each as decoding one token at a time would sample it."""
+        row_index = [int(first) + j for first, d in zip(first_rows, drafts) for j in range(len(d) + 1)]
         logits = self.model.compute_logits(hidden[to_device(row_index, self.device, torch.int64)])
-        tokens, token_lps = self.sampler(logits, sampling_rows,
-                                         self.grammars.bitmask(slot_ids, drafts))
+        return self.sampler.sample(logits, sampling_rows(self.slots, slot_ids, drafts),
+                                   self.grammars.bitmask(slot_ids, drafts))
+
+    def _verify(self, samples: tuple[list[int], list[TokenLogprobs | None]], slot_ids: np.ndarray,
+                drafts: list[list[int]]) -> tuple[
+                    list[list[int]], list[list[TokenLogprobs] | None], dict[int, str]]:
+        """Each request's tokens from its samples (`_queue_samples`'s, on the host): with k
+        drafts, the drafts up to the first one the sample disagrees with, plus that sample. Also
+        returns, per slot whose grammar refused its tokens, why its request ends.
+
+        Output is identical with and without drafts: greedy keeps the longest matching prefix
+        plus the bonus token, and a sampled draft d survives with probability p(d), else the
+        sample comes from p without d — the same law as rejection sampling against one-hot
+        n-gram drafts.
+        """
+        tokens, token_lps = samples
         out_tokens, out_lps, errors = [], [], {}
         pos = 0
         for slot, d in zip(slot_ids, drafts):
@@ -433,91 +411,3 @@ class ModelRunner:
             out_lps.append(None if lps[0] is None else lps)
             pos += len(d) + 1
         return out_tokens, out_lps, errors
-
-    def _prompt_logprobs(self, req_ids, idx, starts, q_lens, ctx, hidden
-                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-        """Logprobs of the prompt tokens this chunk predicts: position p scores token p + 1."""
-        out = {}
-        for i, rid in enumerate(req_ids):
-            slot = int(idx[i])
-            num_top = self.slots.params[slot].prompt_logprobs
-            if num_top is None:
-                continue
-            n_prompt = int(self.slots.num_prompt_tokens[slot])
-            first, stop = int(ctx[i]), min(int(ctx[i] + q_lens[i]), n_prompt - 1)
-            if stop <= first:
-                out[rid] = (first + 1, [])
-                continue
-            rows = torch.arange(int(starts[i]), int(starts[i]) + stop - first, device=self.device)
-            lps = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-            targets = self.slots.token_ids[slot, first + 1:stop + 1]
-            out[rid] = (first + 1, logprobs_lists(lps, targets, num_top))
-        return out
-
-    # -- RL controls: weights and sleep ------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy transformers-named tensors into the model in place; returns how many were set.
-
-        A subset is fine, except after sleep(level=2), when every weight must come back.
-        """
-        return self._copy_weights(named_tensors, strict=self._weights_discarded)
-
-    def load_weights(self, path: str) -> int:
-        """Reload every weight from a folder or GGUF of the same architecture."""
-        return self._copy_weights(iter_hf_weights(prepare_model(path)), strict=True)
-
-    def check_weights(self, source: list[tuple[str, tuple[int, ...]]] | str) -> None:
-        """Raise as update_weights (given (name, shape) pairs) or load_weights (given a path)
-        would, changing nothing."""
-        if isinstance(source, str):
-            named_shapes = ((n, tuple(t.shape)) for n, t in iter_hf_weights(prepare_model(source)))
-            strict = True
-        else:
-            named_shapes, strict = source, self._weights_discarded
-        if self._weights_discarded:   # the weights a full load will fill anyway
-            self._materialize_weights()
-        self.model.check_weights(named_shapes, strict)
-
-    def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
-        if self._weights_discarded:
-            self._materialize_weights()
-        loaded = self.model.load_weights(weights, strict=strict)   # re-packs a packed model
-        self._weights_discarded = False
-        if not self.model.is_packed:   # weights restored after sleep(level=2)
-            self.model.pack_weights()
-        self._keep_graphs_valid()
-        return len(loaded)
-
-    def sleep(self, level: int) -> None:
-        """Level 1 frees the KV cache and moves weights to host memory (a no-op on CPU);
-        level 2 discards the weights as well."""
-        self.free_kv_cache()
-        if level >= 2:
-            self.model.unpack_weights()
-            for param in self.model.parameters():
-                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
-            self._weights_discarded = True
-        else:
-            self.on_device.offload(self.model)
-        self.on_device.release_cached_memory()
-
-    def wake_up(self, tags: list[str]) -> None:
-        if "weights" in tags:
-            if self._weights_discarded:
-                raise RuntimeError("sleep(level=2) discarded the weights: call load_weights or "
-                                   "update_weights with every weight before wake_up")
-            self.on_device.reload(self.model)
-        if "kv_cache" in tags and not self.kv_caches:
-            self._allocate_kv_cache()
-        if self.kv_caches and not self._weights_discarded:
-            if self.graphs is None:
-                self.capture_decode_graphs()
-            else:
-                self._keep_graphs_valid()
-
-    def _materialize_weights(self) -> None:
-        """Uninitialised memory for every parameter, for a load to fill."""
-        named = list(self.model.named_parameters())
-        memory = self.on_device.empty([(self._param_shapes[name], param.dtype) for name, param in named])
-        for (_, param), data in zip(named, memory):
-            param.data = data

@@ -17,6 +17,7 @@ and recomputed on the way, and the uniforms behind them are the same bits on CPU
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from treadle.sampling_params import SamplingParams
 from treadle.worker.grammar import apply_token_bitmask
 from treadle.worker.sampling_random import exponential_noise, row_key
 
+if TYPE_CHECKING:
+    from treadle.worker.request_state import RequestSlots
+
 
 @dataclass
 class SamplingRow:
@@ -36,6 +40,24 @@ class SamplingRow:
     prompt_ids: np.ndarray
     output_ids: np.ndarray
     eos_token_id: int | None
+
+
+def sampling_rows(slots: RequestSlots, slot_ids: Sequence[int],
+                  drafts: Sequence[Sequence[int]] | None = None) -> list[SamplingRow]:
+    """The rows to sample for these slots' requests: one each, or 1 + k for a request verifying
+    k drafts. Row j of a request sees as its output history the outputs so far plus its first j
+    drafts, so each position samples as decoding one token at a time would (same penalties
+    history, same positional seed)."""
+    rows: list[SamplingRow] = []
+    for i, slot in enumerate(slot_ids):
+        slot = int(slot)
+        outputs, prompt = slots.output_ids(slot), slots.prompt_ids(slot)
+        d = drafts[i] if drafts is not None else ()
+        for j in range(len(d) + 1):
+            history = outputs if j == 0 else np.concatenate([outputs, np.asarray(d[:j], dtype=outputs.dtype)])
+            rows.append(SamplingRow(slots.params[slot], slots.seeds[slot], prompt, history,
+                                    slots.eos_token_ids[slot]))
+    return rows
 
 
 @dataclass
@@ -69,14 +91,18 @@ class SamplerOutput:
     logprobs: BatchedLogprobs | None     # for the rows in `logprob_rows`
     logprob_rows: list[int]
 
-    def to_lists(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.token_ids] + (self.logprobs.tensors() if self.logprobs is not None else [])
+
+    def to_lists(self, host: list[torch.Tensor] | None = None
+                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The tokens and per-row logprobs (None where a row asked for none) as Python values:
-        the one place where the step's results leave the device, in one wait."""
-        if self.logprobs is None:
-            tokens = to_host(self.token_ids)[0].tolist()
-            return tokens, [None] * len(tokens)
-        host = to_host(self.token_ids, *self.logprobs.tensors())
+        where the step's results leave the device, in one wait (`host`: `tensors()` brought to
+        the host already, in the step's one wait)."""
+        host = host or to_host(*self.tensors())
         tokens = host[0].tolist()
+        if self.logprobs is None:
+            return tokens, [None] * len(tokens)
         out: list[TokenLogprobs | None] = [None] * len(tokens)
         for i, lp in zip(self.logprob_rows, self.logprobs.to_lists(host[1:])):
             out[i] = lp
@@ -298,10 +324,3 @@ def batched_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: l
     ranks = (logprobs > chosen).sum(dim=1, dtype=torch.int32) + 1
     top_values, top_ids = logprobs.topk(min(max(num_top, default=0), logprobs.shape[-1]), dim=-1)
     return BatchedLogprobs(num_top, token_ids, chosen[:, 0], ranks, top_ids, top_values)
-
-
-def logprobs_lists(logprobs: torch.Tensor, token_ids: torch.Tensor | list[int], num_top: int
-                   ) -> list[TokenLogprobs]:
-    """Prompt logprobs: `batched_logprobs` for rows that all keep `num_top`, as Python lists."""
-    ids = to_device(token_ids, logprobs.device, torch.long)
-    return batched_logprobs(logprobs, ids, [num_top] * len(ids)).to_lists()

@@ -159,7 +159,7 @@ def hybrid(prompt_len: int, window_len: int, block_size: int) -> None:
     print(f"saved: {1 - peak / whole:.0%}")
     print(f"the longest request a cache of {peak} blocks admits (max_model_len's cap):")
     for name, tokens in longest.items():
-        print(f"| counting {name} | {tokens:,} tokens |")
+        print(f"| counting {name} | {'any length' if tokens is None else f'{tokens:,} tokens'} |")
 
 
 def main() -> None:

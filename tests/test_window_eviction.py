@@ -31,7 +31,7 @@ from tests.test_token_ledger import (MAX_RANDOM_DRAFTS, AsyncRunner, perfect_dra
                                      run_random_requests)
 from tests.tiny_models import make_tiny_checkpoint
 from treadle import LLM, SamplingParams
-from treadle.config import CacheConfig, SchedulerConfig, layer_windows
+from treadle.config import CacheConfig, SchedulerConfig, layer_windows, window_reach
 from treadle.core.kv_cache_groups import kv_cache_groups, step_reach
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.scheduler import Scheduler
@@ -328,6 +328,21 @@ def test_windowed_mistral_gives_back_blocks_mid_request_and_matches_transformers
         reads = MaskedReads(llm.engine.core.executor.worker.runner)
         run_evicting(llm, batch, want, min_freed=30)
         assert reads.num_null_entries > 0
+
+
+def test_max_model_len_counts_the_window_unless_a_connector_keeps_whole_requests(mistral):
+    """Without a connector a windowed model holds its window and a step's reach, whatever the
+    request's length: max_model_len is not capped by the cache (15 usable blocks of 8 here).
+    With one, every block stays for the connector to save, so the cache caps it as before."""
+    args = dict(dtype="float32", block_size=BLOCK, num_kv_blocks=16, max_num_batched_tokens=16)
+    with LLM(mistral, **args) as llm:
+        assert llm.engine.core.config.model.max_model_len == 1024   # the model's own
+        assert llm.engine.core.scheduler.kv_cache.can_fit(1024)
+    with LLM(mistral, kv_offloading_size=0.01, **args) as llm:
+        config = llm.engine.core.config
+        assert window_reach(config) is None
+        assert config.model.max_model_len == 15 * BLOCK
+        assert not llm.engine.core.scheduler.kv_cache.can_fit(15 * BLOCK + 1)
 
 
 def run_evicting(llm: LLM, batch: list[list[int]], want: list[list[int]], min_freed: int) -> None:

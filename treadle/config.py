@@ -591,9 +591,13 @@ def max_steps_in_flight(config: TreadleConfig) -> int:
     return config.parallel.pipeline_parallel_size + int(config.scheduler.async_scheduling)
 
 
-def window_reach(config: TreadleConfig) -> int:
+def window_reach(config: TreadleConfig) -> int | None:
     """How far past a request's confirmed count one step can reach (core/kv_cache_groups.py
-    step_reach), for this engine's budget, batch queue and drafts."""
+    step_reach), for this engine's budget, batch queue and drafts. None with a KV connector:
+    then no block leaves behind a window (the scheduler's manager keeps whole sequences, since
+    a connector saves and sends them), so every group counts as holding all of a request."""
+    if config.kv_transfer is not None:
+        return None
     spec = config.speculative
     return step_reach(config.scheduler.max_num_batched_tokens, max_steps_in_flight(config),
                       spec.num_speculative_tokens if spec is not None else 0)

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -42,7 +42,7 @@ struct Rows {
 
   const uint8_t* block(int64_t col, int64_t i) const { return blocks + (col * blocks_per_row + i / kBlock) * kBytes; }
 
-  // Weight i of row col, one at a time (CPUs without AVX-512).
+  // Weight i of row col (a row's last weights past a whole vector).
   float at(int64_t col, int64_t i) const {
     const uint8_t* b = block(col, i);
     const int64_t j = i % kBlock;
@@ -51,8 +51,62 @@ struct Rows {
     if constexpr (Type == kQ4_0) return half_at(b) * static_cast<float>(q - 8);
     return half_at(b) * static_cast<float>(q) + half_at(b + 2);
   }
+  // Weights i .. i + 15 (i a multiple of 16: half a block), as `at` computes each, with the
+  // block's scales converted once (CPUs without AVX-512: 16 `at` calls, each converting them,
+  // made a SmolLM2 Q4_1 decode step about 190 ms on an AVX2 Zen 3).
   void load16(int64_t col, int64_t i, float* out) const {
-    for (int64_t j = 0; j < 16; ++j) out[j] = at(col, i + j);
+    const uint8_t* b = block(col, i);
+    const float d = half_at(b);
+#ifdef __AVX2__
+    // Two vectors of 8: the quants widened to int32, converted and scaled.
+    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ8_0 ? 2 + i % kBlock : kQuants)));
+    __m256i lo, hi;
+    if constexpr (Type == kQ8_0) {
+      lo = _mm256_cvtepi8_epi32(q);
+      hi = _mm256_cvtepi8_epi32(_mm_srli_si128(q, 8));
+    } else {
+      if (i % kBlock) q = _mm_srli_epi16(q, 4);   // the second half: the high nibbles
+      q = _mm_and_si128(q, _mm_set1_epi8(0xF));
+      lo = _mm256_cvtepu8_epi32(q);
+      hi = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
+      if constexpr (Type == kQ4_0) {
+        lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(8));
+        hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(8));
+      }
+    }
+    __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d));
+    __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(d));
+    if constexpr (Type == kQ4_1) {
+      asm("" : "+x"(w0), "+x"(w1));   // d q rounded before m is added (no fused multiply-add)
+      const __m256 m = _mm256_set1_ps(half_at(b + 2));
+      w0 = _mm256_add_ps(w0, m);
+      w1 = _mm256_add_ps(w1, m);
+    }
+    _mm256_storeu_ps(out, w0);
+    _mm256_storeu_ps(out + 8, w1);
+#else
+    if constexpr (Type == kQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2 + i % kBlock);
+#pragma omp simd
+      for (int64_t j = 0; j < 16; ++j) out[j] = d * static_cast<float>(q[j]);
+    } else {
+      const uint8_t* q = b + kQuants;
+      const int shift = i % kBlock ? 4 : 0;   // the second half: the high nibbles
+      const int offset = Type == kQ4_0 ? 8 : 0;
+#pragma omp simd
+      for (int64_t j = 0; j < 16; ++j) out[j] = d * static_cast<float>(((q[j] >> shift) & 0xF) - offset);
+      if constexpr (Type == kQ4_1) {
+        // d q rounded before m is added, as `at` and gguf's dequantizer do: the barrier keeps
+        // -ffast-math from fusing the two into one multiply-add.
+        asm volatile("" : : "r"(out) : "memory");
+        const float m = half_at(b + 2);
+#pragma omp simd
+        for (int64_t j = 0; j < 16; ++j) out[j] += m;
+      }
+    }
+#endif
+    // The weights are what the kernel multiplies x by: no reassociating x * (d q) (-ffast-math).
+    asm volatile("" : : "r"(out) : "memory");
   }
 
 #ifdef __AVX512F__

@@ -61,30 +61,20 @@ class KVCacheGroups:
     def window_of_layer(self, layer: int) -> int | None:
         return self.group_windows[self.layer_group[layer]]
 
-    def group_caps(self, block_size: int, reach: int | None) -> list[int | None]:
-        """Each group's most blocks held by one request (None: all of its blocks)."""
-        return [None if w is None or reach is None else window_blocks(w, block_size, reach)
-                for w in self.group_windows]
-
     def peak_blocks(self, num_tokens: int, block_size: int, reach: int | None) -> int:
         """The most blocks a request of `num_tokens` tokens holds at once, over all groups."""
-        n = -(-num_tokens // block_size)
-        return sum(n if cap is None else min(n, cap) for cap in self.group_caps(block_size, reach))
+        return held_blocks(-(-num_tokens // block_size), group_caps(self.group_windows, block_size, reach))
 
     def capacity_tokens(self, num_blocks: int, block_size: int, reach: int | None) -> int | None:
         """The longest request whose peak_blocks fit in `num_blocks`, in whole blocks; None
         where every group is windowed and their caps fit: a request of any length."""
-        caps = self.group_caps(block_size, reach)
+        caps = group_caps(self.group_windows, block_size, reach)
         if None not in caps and sum(caps) <= num_blocks:
             return None
-
-        def cost(n: int) -> int:
-            return sum(n if cap is None else min(n, cap) for cap in caps)
-
-        lo, hi = 0, num_blocks   # cost(lo) fits; every group needs a block per block of sequence
+        lo, hi = 0, num_blocks   # lo fits; every group needs a block per block of sequence
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if cost(mid) <= num_blocks else (lo, mid - 1)
+            lo, hi = (mid, hi) if held_blocks(mid, caps) <= num_blocks else (lo, mid - 1)
         return lo * block_size
 
 
@@ -93,6 +83,17 @@ def step_reach(max_num_batched_tokens: int, steps_in_flight: int, max_drafts: in
     known tokens, computed): the step's own tokens, within the budget, and those that the other
     steps in flight computed on tokens not yet known, a sampled one and its drafts each."""
     return max_num_batched_tokens + (steps_in_flight - 1) * (1 + max_drafts)
+
+
+def group_caps(group_windows: Sequence[int | None], block_size: int, reach: int | None) -> list[int | None]:
+    """Each group's most blocks held by one request (None: all of its blocks)."""
+    return [None if w is None or reach is None else window_blocks(w, block_size, reach)
+            for w in group_windows]
+
+
+def held_blocks(num_sequence_blocks: int, caps: Sequence[int | None]) -> int:
+    """The blocks a request spanning `num_sequence_blocks` holds over groups with these caps."""
+    return sum(num_sequence_blocks if cap is None else min(num_sequence_blocks, cap) for cap in caps)
 
 
 def window_blocks(window: int, block_size: int, reach: int) -> int:

@@ -60,7 +60,7 @@ import logging
 import sys
 
 from treadle.core.block_pool import BlockPool, KVCacheBlock
-from treadle.core.kv_cache_groups import window_blocks
+from treadle.core.kv_cache_groups import group_caps, held_blocks
 from treadle.request import BlockHash, Request
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ class KVCacheManager:
         self.num_groups = len(group_windows)
         self.has_windows = any(w is not None for w in group_windows)
         # The most blocks a request holds in each group (None: all of its blocks; see the module).
-        self.group_caps = [None if w is None or window_reach is None
-                           else window_blocks(w, block_size, window_reach) for w in group_windows]
+        self.group_caps = group_caps(group_windows, block_size, window_reach)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         # How many leading blocks of each request, per group, were given back behind the
@@ -163,8 +162,7 @@ class KVCacheManager:
 
     def peak_blocks(self, num_tokens: int) -> int:
         """The most blocks a request of this many tokens holds at once, over its groups."""
-        n = cdiv(num_tokens, self.block_size)
-        return sum(n if cap is None else min(n, cap) for cap in self.group_caps)
+        return held_blocks(cdiv(num_tokens, self.block_size), self.group_caps)
 
     def can_fit(self, num_tokens: int) -> bool:
         """Could a request of this many tokens ever be held, with every other block free?"""

@@ -326,11 +326,11 @@ class ModelRunner(WeightControls):
                                       row_drafts) if len(rows) else None)
         prompt = queue_prompt_logprobs(self.model, slots, hidden, req_ids, idx, starts, q_lens, ctx)
         # The step's one wait: its samples and prompt logprobs come down together.
-        num_sampled = len(queued.tensors()) if queued is not None else 0
-        host = to_host(*(queued.tensors() if queued is not None else []), *prompt.tensors())
+        sample_tensors = queued.tensors() if queued is not None else []
+        host = to_host(*sample_tensors, *prompt.tensors())
         if queued is not None:
             sampled_rows, logprobs_rows, slot_errors = self._verify(
-                queued.to_lists(host[:num_sampled]), idx[rows], row_drafts)
+                queued.to_lists(host[:len(sample_tensors)]), idx[rows], row_drafts)
             request_errors = {req_ids[r]: slot_errors[int(idx[r])] for r in rows
                               if int(idx[r]) in slot_errors}
             for r, tokens, lps in zip(rows, sampled_rows, logprobs_rows):
@@ -356,7 +356,7 @@ class ModelRunner(WeightControls):
                     slots.token_ids[slot, :slots.num_tokens[slot]]))
 
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt.to_dict(host[num_sampled:]),
+                                 prompt_logprobs=prompt.to_dict(host[len(sample_tensors):]),
                                  draft_token_ids=draft_token_ids,
                                  request_errors=request_errors)
 

@@ -37,9 +37,11 @@ class PretrainedReference:
                     params[name].copy_(tensor)
 
     @torch.inference_mode()
-    def greedy(self, ids: list[int], n: int = MAX_TOKENS) -> list[int]:
+    def greedy(self, ids: list[int], n: int = MAX_TOKENS, **generate_kwargs) -> list[int]:
+        """`generate_kwargs`: more of generate's, e.g. repetition_penalty (CTRL's, as treadle's)."""
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+                                  do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  **generate_kwargs)
         return out[0, len(ids):].tolist()
 
     @torch.inference_mode()

@@ -1,18 +1,21 @@
-"""Deferred steps (worker/deferred_step.py): under async scheduling a plain step's sampled tokens
-stay on the device, the next step's rows at their positions take them there, and they reach the
-host only while that next step runs. On a GPU the in-process executor does this by itself; here
-the runner is told to (`allow_deferred_steps`), so the same code runs on CPU tensors.
+"""Deferred steps (worker/deferred_step.py): under async scheduling a step's sampled tokens stay
+on the device, the next step's rows at their positions (and its penalties' token counts) take
+them there, and they reach the host only while that next step runs. On a GPU the in-process
+executor does this by itself; here the runner is told to (`allow_deferred_steps`), so the same
+code runs on CPU tensors.
 
-Held to transformers: greedy output, batched with requests that cannot be deferred (penalties,
-prompt logprobs) and force the host path between deferred steps; a slot given to a new request
-while the last tenant's token was still on the device (the slot must not get it: vLLM's runner
-leaked exactly such a token into the next tenant); preemption; and seeded sampling, which must
-draw the same tokens deferred or not.
+Held to transformers: greedy output, with a repetition penalty (counted over tokens still on the
+device) and prompt logprobs in the same deferred steps; a slot given to a new request while the
+last tenant's token was still on the device (the slot must not get it: vLLM's runner leaked
+exactly such a token into the next tenant); preemption. Seeded sampling with every sampling
+feature must draw the same tokens deferred or not. Grammars under deferred steps are held to
+transformers in test_structured_outputs.py.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.family_support import PretrainedReference
 from treadle import LLM, SamplingParams
@@ -25,6 +28,7 @@ class Watch:
 
     def __init__(self, runner) -> None:
         self.deferred = self.patched_rows = self.dropped = 0
+        self.host_steps = 0   # steps that sampled and still waited for their tokens
         self.runner = runner
         execute, finish = runner.execute_model, DeferredStep.finish
         tokens_for = DeferredStep.device_tokens_for
@@ -32,6 +36,7 @@ class Watch:
         def counted_execute(so):
             out = execute(so)
             self.deferred += isinstance(out, DeferredStep)
+            self.host_steps += not isinstance(out, DeferredStep) and any(out.sampled_token_ids)
             return out
 
         def counted_tokens_for(step, *args):
@@ -39,10 +44,10 @@ class Watch:
             self.patched_rows += 0 if found is None else len(found[0])
             return found
 
-        def counted_finish(step, slots):
+        def counted_finish(step, *args):
             if step.output is None:
                 self.dropped += len(step.dropped & set(step.slots.tolist()))
-            return finish(step, slots)
+            return finish(step, *args)
 
         runner.execute_model = counted_execute
         self._restore = [(DeferredStep, "finish", finish), (DeferredStep, "device_tokens_for", tokens_for)]
@@ -55,7 +60,7 @@ class Watch:
 
 @pytest.fixture
 def deferred_llm(llama):
-    """An engine with async scheduling whose runner defers plain steps, and its Watch."""
+    """An engine with async scheduling whose runner defers its steps, and its Watch."""
     llm = LLM(llama, dtype="float32", async_scheduling=True, block_size=16, num_kv_blocks=40,
               max_num_seqs=4, max_num_batched_tokens=24)
     runner = llm.engine.core.executor.worker.runner
@@ -72,24 +77,28 @@ def deferred_llm(llama):
 PROMPTS = [list(range(5, 25)), list(range(60, 67)), [9, 8, 7, 6, 5, 4] * 5, list(range(200, 212))]
 
 
-def test_greedy_output_matches_transformers_with_plain_and_host_steps_mixed(deferred_llm, llama):
+def test_greedy_output_with_penalties_and_prompt_logprobs_matches_transformers(deferred_llm, llama):
     llm, watch = deferred_llm
     ref = PretrainedReference(llama)
     want = [ref.greedy(p, 16) for p in PROMPTS]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
-    assert watch.deferred > 10 and watch.patched_rows > 20
-    # Requests that read tokens on the host (prompt logprobs: their targets) come in between:
-    # each step of theirs finishes the deferred one first.
-    host = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    assert watch.deferred > 10 and watch.patched_rows > 20 and watch.host_steps == 0
+    # A repetition penalty counts the output so far, the last token still on the device; prompt
+    # logprobs come down with the samples. Every step that samples still defers.
+    penalized = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.6)
+    logprobs = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     deferred_before = watch.deferred
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [greedy, host, greedy, host],
-                        use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [want[0], want[1][:4], want[2], want[3][:4]]
-    assert outs[1].prompt_logprobs is not None
-    # Once the prompt-logprob requests end, the plain ones defer again.
-    assert watch.deferred > deferred_before
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        [greedy, penalized, logprobs, penalized], use_tqdm=False)
+    penalized_want = [ref.greedy(PROMPTS[i], 16, repetition_penalty=1.6) for i in (1, 3)]
+    assert penalized_want != [want[1], want[3]], "the penalty changes nothing: no evidence"
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        want[0], penalized_want[0], want[2][:4], penalized_want[1]]
+    got = [lp[t].logprob for lp, t in zip(outs[2].prompt_logprobs[1:], PROMPTS[2][1:])]
+    torch.testing.assert_close(torch.tensor(got), ref.prompt_logprobs(PROMPTS[2]), rtol=0, atol=1e-4)
+    assert watch.deferred > deferred_before + 10 and watch.host_steps == 0
 
 
 def test_a_reused_slot_never_gets_the_last_tenants_deferred_token(deferred_llm, llama):
@@ -135,6 +144,11 @@ def test_preemption_under_deferred_steps_matches_transformers(llama):
 def test_seeded_sampling_draws_the_same_tokens_deferred_or_not(llama):
     params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=s, max_tokens=16,
                              ignore_eos=True, logprobs=2) for s in (1, 2, 3, 4)]
+    # Penalties over the output on the device, min_tokens, a bias, prompt logprobs.
+    params[1] = SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True, logprobs=1,
+                               frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
+    params[2] = SamplingParams(temperature=0.8, seed=3, max_tokens=16, min_tokens=8, logprobs=1,
+                               logit_bias={7: 3.0}, prompt_logprobs=2)
     runs = []
     for defer in (False, True):
         with LLM(llama, dtype="float32", async_scheduling=True, block_size=16, max_num_seqs=4,
@@ -142,8 +156,8 @@ def test_seeded_sampling_draws_the_same_tokens_deferred_or_not(llama):
             if defer:
                 assert llm.engine.core.executor.worker.runner.allow_deferred_steps()
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-            runs.append([(list(o.outputs[0].token_ids),
-                          [sorted(lp) for lp in o.outputs[0].logprobs]) for o in outs])
+            runs.append([(list(o.outputs[0].token_ids), [sorted(lp) for lp in o.outputs[0].logprobs],
+                          [sorted(lp) if lp else None for lp in o.prompt_logprobs or []]) for o in outs])
     assert runs[0] == runs[1]
 
 

@@ -41,12 +41,15 @@ PARAMS = [
 PROMPTS = [list(range(5, 21)), list(range(40, 47)), list(range(100, 140)), [9, 8, 7]]
 
 
-def run(path: str, device: str, backend: str, strict: bool) -> None:
+def run(path: str, device: str, backend: str, strict: bool, deferred: bool = False) -> list:
     """Every sampling feature in one batch, with chunked prefill; with `strict`, each step
-    under set_sync_debug_mode("error")."""
+    under set_sync_debug_mode("error"); with `deferred`, under async scheduling with each
+    step's tokens left on the device until the next step is queued (worker/deferred_step.py:
+    the penalties count them there)."""
     with LLM(path, device=device, attention_backend=backend, dtype="float32", block_size=16,
-             max_num_seqs=8, max_num_batched_tokens=32) as llm:
+             max_num_seqs=8, max_num_batched_tokens=32, async_scheduling=deferred) as llm:
         runner = llm.engine.core.executor.worker.runner
+        assert runner.allow_deferred_steps() if deferred else not runner.defer_steps
         execute = runner.execute_model
         steps = []
 
@@ -75,13 +78,19 @@ def run(path: str, device: str, backend: str, strict: bool) -> None:
         got = torch.tensor([lps[j][ids[j]].logprob for j in range(1, len(ids))])
         torch.testing.assert_close(got, ref.prompt_logprobs(ids), rtol=0, atol=1e-3)
     assert outs[1].prompt_logprobs is None
+    return [(list(o.outputs[0].token_ids),
+             [sorted(lp.items()) for lp in o.outputs[0].logprobs or []],
+             [sorted(lp.items()) if lp else None for lp in o.prompt_logprobs or []]) for o in outs]
 
 
 def test_every_sampling_feature_in_one_batch_on_the_cpu(llama):
-    run(llama, "cpu", "torch", strict=False)
+    """Deferred steps (penalties counting a token still on the device, prompt logprobs brought
+    down with the next step's samples) give every row what waiting for each step gives."""
+    assert run(llama, "cpu", "torch", strict=False) == run(llama, "cpu", "torch", strict=False,
+                                                           deferred=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_a_step_waits_for_the_gpu_only_for_its_sampled_tokens(tiny_checkpoints, backend):
-    run(tiny_checkpoints["llama"], "cuda", backend, strict=True)
+@pytest.mark.parametrize("backend,deferred", [("triton", False), ("torch", False), ("triton", True)])
+def test_a_step_waits_for_the_gpu_only_for_its_sampled_tokens(tiny_checkpoints, backend, deferred):
+    run(tiny_checkpoints["llama"], "cuda", backend, strict=True, deferred=deferred)

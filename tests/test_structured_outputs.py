@@ -25,6 +25,7 @@ from treadle import LLM, SamplingParams, StructuredOutputsParams
 from treadle.models.loader import load_tokenizer, prepare_model
 from treadle.request import Request
 from treadle.structured_output.registry import get_backend
+from treadle.worker.deferred_step import DeferredStep
 
 from tests.test_grammar_gate import GATE_LOG, slow_schema
 
@@ -118,7 +119,9 @@ SETTINGS = [
     ("batched", {}, None),
     ("chunked_prefill", {"max_num_batched_tokens": 16}, None),
     ("preemption", {"num_kv_blocks": 9, "max_model_len": 128}, "preemptions"),
-    ("async_scheduling", {"async_scheduling": True}, None),
+    # Deferred steps, as the in-process executor runs them on a GPU: a step's mask waits for the
+    # previous step's tokens after its forward pass is queued (worker/deferred_step.py).
+    ("async_scheduling_deferred", {"async_scheduling": True}, "deferred"),
     ("ngram_speculation", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
      "drafts"),
@@ -133,12 +136,22 @@ def test_greedy_constrained_output_equals_transformers(name, engine_args, eviden
                                                        prompts, reference):
     with LLM(model_path, **{"max_model_len": 256, "block_size": 16, "num_kv_blocks": 64,
                             **engine_args}) as llm:
+        deferred = []
+        if evidence == "deferred":
+            runner = llm.engine.core.executor.worker.runner
+            assert runner.allow_deferred_steps()
+            execute = runner.execute_model
+            runner.execute_model = lambda so: deferred.append(execute(so)) or deferred[-1]
         _assert_equal_to_transformers(llm, reference, model_path, prompts)
         stats = llm.engine.core.get_stats()
     if evidence == "preemptions":
         assert stats.num_preemptions > 0
     elif evidence == "drafts":
         assert stats.spec_decoding.num_draft_tokens > 0
+    elif evidence == "deferred":
+        # Every step that sampled deferred its tokens.
+        assert sum(isinstance(out, DeferredStep) for out in deferred) > 30
+        assert not any(any(out.sampled_token_ids) for out in deferred if not isinstance(out, DeferredStep))
 
 
 def test_guidance_backend_equals_transformers(model_path, prompts, reference):
@@ -289,8 +302,12 @@ UNSATISFIABLE = {
 
 @pytest.fixture(scope="module")
 def async_llm(model_path) -> LLM:
-    return LLM(model_path, max_model_len=256, block_size=16, num_kv_blocks=64,
-               async_scheduling=True)
+    """Async scheduling with deferred steps, as on a GPU: a refused token is found when its
+    step finishes, with the next step's token already counted in the slot."""
+    llm = LLM(model_path, max_model_len=256, block_size=16, num_kv_blocks=64,
+              async_scheduling=True)
+    assert llm.engine.core.executor.worker.runner.allow_deferred_steps()
+    return llm
 
 
 def _ends_only_its_own_request(llm: LLM, constraint: dict) -> str:
@@ -302,8 +319,8 @@ def _ends_only_its_own_request(llm: LLM, constraint: dict) -> str:
         SamplingParams(temperature=0, max_tokens=8)], use_tqdm=False)
     bad, choice, free = (o.outputs[0] for o in outs)
     assert bad.finish_reason == "error", bad
-    assert bad.stop_reason.startswith("structured_outputs cannot be satisfied: its grammar allows "
-                                      "no token after"), bad.stop_reason
+    assert bad.stop_reason == ("structured_outputs cannot be satisfied: its grammar allows no "
+                               f"token after {len(bad.token_ids)} output token(s)"), bad.stop_reason
     assert choice.finish_reason == "stop" and choice.text in ("red", "blue")
     assert free.finish_reason == "length" and len(free.token_ids) == 8
     again = llm.generate(["Pick a colour."], SamplingParams(

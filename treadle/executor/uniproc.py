@@ -7,7 +7,7 @@ worker is built there too: each thread that runs torch's parallel CPU ops gets a
 its own, and a second, idle team (the loader's) makes libgomp stop spinning at barriers
 (engine/core_thread.py has the measurement).
 
-On a GPU with async scheduling, a plain step's sampled tokens stay on the device until the
+On a GPU with async scheduling, a step's sampled tokens stay on the device until the
 next step is queued behind it (worker/deferred_step.py): the worker returns the step deferred,
 and its StepFuture has the worker thread finish it when the engine asks for its output, unless
 the next step already has.

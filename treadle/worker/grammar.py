@@ -56,6 +56,10 @@ class GrammarMatchers:
             assert accepted, f"{new.req_id}: its own output token {t} breaks its grammar"
         self.slots.grammar[slot] = matcher
 
+    def constrains(self, slot_ids: np.ndarray) -> bool:
+        """Whether any of these slots samples under a grammar."""
+        return any(self.slots.grammar[int(s)] is not None for s in slot_ids)
+
     def bitmask(self, slot_ids: np.ndarray, drafts: list[list[int]]
                 ) -> tuple[torch.Tensor, list[int]] | None:
         """Masks for the sampling rows (1 + k per request, k drafts), as (bitmask, rows it
@@ -84,21 +88,22 @@ class GrammarMatchers:
         rows = [r for r, some in zip(rows, allowed) if some]
         return (bitmask[rows], rows) if rows else None
 
-    def accept(self, slot: int, token_ids: list[int]) -> str | None:
-        """Advance a slot's matcher past its accepted tokens. A token its grammar refuses ends the
-        request: returns why (the request's error), and the slot is constrained no more, as the
-        scheduler drops its tokens from now on."""
+    def accept(self, slot: int, token_ids: list[int], position: int) -> str | None:
+        """Advance a slot's matcher past its accepted tokens, the first of them at `position`
+        in the slot. A token its grammar refuses ends the request: returns why (the request's
+        error), and the slot is constrained no more, as the scheduler drops its tokens from
+        now on."""
         matcher = self.slots.grammar[slot]
         if matcher is None or matcher.is_terminated():
             return None
         for i, t in enumerate(token_ids):
             if not matcher.accept(t):
                 self.slots.grammar[slot] = None
-                return self._refusal(slot, matcher, t, i)
+                return self._refusal(slot, matcher, t, position + i)
         return None
 
-    def _refusal(self, slot: int, matcher: Matcher, token_id: int, index: int) -> str:
-        num_output = int(self.slots.num_tokens[slot] - self.slots.num_prompt_tokens[slot]) + index
+    def _refusal(self, slot: int, matcher: Matcher, token_id: int, position: int) -> str:
+        num_output = position - int(self.slots.num_prompt_tokens[slot])
         row = self.backend.allocate_bitmask(1)
         matcher.fill_bitmask(row, 0)
         if not row.any():

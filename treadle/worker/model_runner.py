@@ -19,10 +19,10 @@ from treadle.models import linear
 from treadle.models.loader import iter_hf_weights
 from treadle.models.registry import get_model_class
 from treadle.worker.cuda_graphs import DecodeGraphs
-from treadle.worker.deferred_step import PLACEHOLDER, DeferredStep, plain_step
+from treadle.worker.deferred_step import DeferredStep
 from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.device import worker_device
-from treadle.worker.request_state import RequestSlots
+from treadle.worker.request_state import PLACEHOLDER, RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
 from treadle.worker.prompt_logprobs import queue_prompt_logprobs
 from treadle.worker.sampler import Sampler, SamplerOutput, sampling_rows
@@ -174,8 +174,8 @@ class ModelRunner(WeightControls):
             self.connector.register_kv_caches(self.kv_caches)
 
     def allow_deferred_steps(self) -> bool:
-        """Defer plain steps' tokens (worker/deferred_step.py) where the runner alone makes the
-        step's output: one rank, no drafts to propose, no KV connector. Returns whether it does."""
+        """Defer steps' tokens (worker/deferred_step.py) where the runner alone makes the step's
+        output: one rank, no drafts to propose, no KV connector. Returns whether it does."""
         self.defer_steps = (self.proposer is None and self.connector is None
                             and self.ctx.tp_size * self.ctx.pp_size == 1)
         return self.defer_steps
@@ -212,18 +212,14 @@ class ModelRunner(WeightControls):
         """The step's output; a DeferredStep where its tokens are still on the device, which
         `finish_deferred` (or the next step) turns into the output."""
         self.step += 1
-        previous, self._pending = self._pending, None
-        defer = self.defer_steps and plain_step(so, self.slots)
-        if previous is not None and not defer:
-            previous.finish(self.slots)   # this step reads its tokens on the host
-            previous = None
+        previous, self._pending = self._pending, None   # set only where steps defer
         self._update_slots(so, previous)
         if self.connector is None:
             if not so.total_num_scheduled_tokens:
                 return ModelRunnerOutput.empty()
-            out = self._execute(so, previous, defer)
+            out = self._execute(so, previous, self.defer_steps)
             if previous is not None:   # queued behind this step: now wait for its tokens
-                previous.finish(self.slots)
+                previous.finish(self.slots, self.grammars)
             return out
         # Loads land before the forward pass reads them (asynchronous ones in blocks nothing
         # reads until they are done); saves follow it. A step may only poll for loads.
@@ -243,7 +239,7 @@ class ModelRunner(WeightControls):
         """A deferred step's output, waiting for its tokens if no later step has yet."""
         if self._pending is step:
             self._pending = None
-        return step.finish(self.slots)
+        return step.finish(self.slots, self.grammars)
 
     def _execute(self, so: SchedulerOutput, previous: DeferredStep | None = None,
                  defer: bool = False) -> ModelRunnerOutput | DeferredStep:
@@ -280,8 +276,7 @@ class ModelRunner(WeightControls):
         positions = np.arange(total) - np.repeat(starts, q_lens) + np.repeat(ctx, q_lens)
         token_slot = np.repeat(idx, q_lens)
         input_ids = slots.token_ids[token_slot, positions]
-        patch = (previous.device_tokens_for(token_slot, positions, slots.max_num_reqs)
-                 if previous is not None else None)
+        patch = previous.device_tokens_for(token_slot, positions) if previous is not None else None
         assert np.array_equal(np.flatnonzero(input_ids == PLACEHOLDER),
                               patch[0] if patch is not None else []), (
             "the rows reading a deferred token are not the ones its step provides")
@@ -316,15 +311,21 @@ class ModelRunner(WeightControls):
         logprobs: dict[str, list[TokenLogprobs]] = {}
         request_errors: dict[str, str] = {}
         rows = np.flatnonzero(samples)
+        prompt = queue_prompt_logprobs(self.model, slots, hidden, req_ids, idx, starts, q_lens, ctx)
         if len(rows) and defer:
+            assert not so.scheduled_spec_decode_tokens, "steps verifying drafts are never deferred"
+            if previous is not None and self.grammars.constrains(np.intersect1d(idx[rows], previous.slots)):
+                # Their masks follow the previous step's tokens: wait for them now, with this
+                # step's forward pass queued behind it.
+                previous.finish(slots, self.grammars)
             logits = self.model.compute_logits(
                 hidden[to_device(starts[rows] + q_lens[rows] - 1, self.device, torch.int64)])
-            self._pending = DeferredStep.queue(self.sampler, slots, logits, req_ids, idx, rows, ends)
+            self._pending = DeferredStep.queue(self.sampler, slots, self.grammars, logits, req_ids,
+                                               idx, rows, ends, prompt, previous)
             return self._pending
         row_drafts = [drafts[r] for r in rows]
         queued = (self._queue_samples(hidden, idx[rows], starts[rows] + q_lens[rows] - 1 - num_drafts[rows],
                                       row_drafts) if len(rows) else None)
-        prompt = queue_prompt_logprobs(self.model, slots, hidden, req_ids, idx, starts, q_lens, ctx)
         # The step's one wait: its samples and prompt logprobs come down together.
         sample_tensors = queued.tensors() if queued is not None else []
         host = to_host(*sample_tensors, *prompt.tensors())
@@ -405,7 +406,8 @@ class ModelRunner(WeightControls):
             while accepted < len(d) and tokens[pos + accepted] == d[accepted]:
                 accepted += 1
             out_tokens.append(tokens[pos:pos + accepted + 1])
-            if (error := self.grammars.accept(int(slot), out_tokens[-1])) is not None:
+            if (error := self.grammars.accept(int(slot), out_tokens[-1],
+                                              int(self.slots.num_tokens[slot]))) is not None:
                 errors[int(slot)] = error
             lps = token_lps[pos:pos + accepted + 1]
             out_lps.append(None if lps[0] is None else lps)

@@ -12,6 +12,11 @@ from treadle.core.scheduler_output import NewRequestData
 from treadle.sampling_params import SamplingParams
 from treadle.structured_output.backend import Matcher
 
+# A token of a deferred step (worker/deferred_step.py), still on the device, in its slot: never a
+# token id, so an input row or a penalty count that reads it unresolved fails at once instead of
+# computing on a wrong token.
+PLACEHOLDER = -1
+
 
 class RequestSlots:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,

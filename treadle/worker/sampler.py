@@ -17,7 +17,7 @@ and recomputed on the way, and the uniforms behind them are the same bits on CPU
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from treadle.device_copy import to_device, to_host
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.sampling_params import SamplingParams
 from treadle.worker.grammar import apply_token_bitmask
+from treadle.worker.request_state import PLACEHOLDER
 from treadle.worker.sampling_random import exponential_noise, row_key
 
 if TYPE_CHECKING:
@@ -38,8 +39,17 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     prompt_ids: np.ndarray
-    output_ids: np.ndarray
+    output_ids: np.ndarray   # a PLACEHOLDER where a deferred step's token is still on the device
     eos_token_id: int | None
+    slot: int = 0            # the request's slot (finds its deferred token)
+
+
+class DeviceTokens(Protocol):
+    """Tokens still on the device (worker/deferred_step.py's DeferredStep)."""
+
+    def device_tokens_for(self, token_slot: np.ndarray, positions: np.ndarray
+                          ) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The entries (slot, position) that are its tokens, and those tokens on the device."""
 
 
 def sampling_rows(slots: RequestSlots, slot_ids: Sequence[int],
@@ -56,7 +66,7 @@ def sampling_rows(slots: RequestSlots, slot_ids: Sequence[int],
         for j in range(len(d) + 1):
             history = outputs if j == 0 else np.concatenate([outputs, np.asarray(d[:j], dtype=outputs.dtype)])
             rows.append(SamplingRow(slots.params[slot], slots.seeds[slot], prompt, history,
-                                    slots.eos_token_ids[slot]))
+                                    slots.eos_token_ids[slot], slot))
     return rows
 
 
@@ -163,23 +173,32 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     _put(logits, row_ids, token_ids, float("-inf"), accumulate=False)
 
 
-def token_counts(id_arrays: list[np.ndarray], vocab: int, device: torch.device) -> torch.Tensor:
+def token_counts(id_arrays: list[np.ndarray], vocab: int, device: torch.device,
+                 deferred: Callable[[np.ndarray, np.ndarray], torch.Tensor] | None = None
+                 ) -> torch.Tensor:
     """How often each token occurs in each array, [len(id_arrays), vocab] fp32: one scatter_add_
-    over the arrays padded to one length with a spare column `vocab`, dropped at the end."""
+    over the arrays padded to one length with a spare column `vocab`, dropped at the end.
+    `deferred(rows, columns)`: the device tokens behind the PLACEHOLDER entries there."""
     width = max(1, max(len(a) for a in id_arrays))
     padded = np.full((len(id_arrays), width), vocab, dtype=np.int64)
     for r, a in enumerate(id_arrays):
         padded[r, :len(a)] = a
     ids = to_device(padded, device)
+    rows, columns = np.nonzero(padded == PLACEHOLDER)
+    if len(rows):
+        assert deferred is not None, "a token still on the device, and no step to read it from"
+        ids[to_device(rows, device), to_device(columns, device)] = deferred(rows, columns)
     counts = torch.zeros(len(id_arrays), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow],
+                    deferred: DeviceTokens | None = None) -> None:
     """Repetition (CTRL: seen in prompt or output), frequency and presence (OpenAI: output
     counts) penalties, in place, for the rows that have any, together. A row whose penalty is
-    neutral (1.0, or 0.0) comes out bit-identical: x / 1, x * 1 and x - 0 are exact."""
+    neutral (1.0, or 0.0) comes out bit-identical: x / 1, x * 1 and x - 0 are exact. An output
+    token still on the device (`deferred`'s) is counted there, so this needs no wait for it."""
     picked = [i for i, r in enumerate(rows) if has_penalties(r.params)]
     if not picked:
         return
@@ -187,7 +206,16 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     params = [rows[i].params for i in picked]
     index = to_device(picked, device)
     sub = logits[index]
-    counts = token_counts([rows[i].output_ids for i in picked], vocab, device)
+
+    def deferred_tokens(entry_rows: np.ndarray, columns: np.ndarray) -> torch.Tensor:
+        picked_rows = [rows[picked[i]] for i in entry_rows.tolist()]
+        slot_ids = np.array([r.slot for r in picked_rows], dtype=np.int64)
+        positions = np.array([len(r.prompt_ids) for r in picked_rows], dtype=np.int64) + columns
+        found = deferred.device_tokens_for(slot_ids, positions) if deferred is not None else None
+        assert found is not None and len(found[0]) == len(entry_rows), "a deferred token went missing"
+        return found[1]
+
+    counts = token_counts([rows[i].output_ids for i in picked], vocab, device, deferred_tokens)
 
     def column(values: list[float]) -> torch.Tensor:
         return to_device(values, device, sub.dtype)[:, None]
@@ -226,20 +254,23 @@ class Sampler:
         return self.sample(logits, rows, grammar_mask).to_lists()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
+               grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+               deferred: DeviceTokens | None = None) -> SamplerOutput:
         """`grammar_mask`: (packed bitmask, the rows it covers) for rows under structured outputs.
         `logits` in the model's dtype: rows that only take the argmax read them as they are (a
         bf16 or fp16 value widens to fp32 exactly, so the answer is the same); the rest work in
-        fp32. `logits` is this step's own tensor, so it may be edited in place."""
+        fp32. `logits` is this step's own tensor, so it may be edited in place. `deferred`: the
+        step whose tokens are the PLACEHOLDERs in the rows' output (penalties count them)."""
         if grammar_mask is None and all(_argmax_only(r) for r in rows):
             # An argmax records no autograd history: the common greedy step skips entering
             # inference mode, which costs as much as the rest of this path.
             return SamplerOutput(self._argmax(logits), None, [])
         with torch.inference_mode():
-            return self._edit_and_sample(logits, rows, grammar_mask)
+            return self._edit_and_sample(logits, rows, grammar_mask, deferred)
 
     def _edit_and_sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-                         grammar_mask: tuple[torch.Tensor, list[int]] | None) -> SamplerOutput:
+                         grammar_mask: tuple[torch.Tensor, list[int]] | None,
+                         deferred: DeviceTokens | None) -> SamplerOutput:
         logits = logits.float()
         device = logits.device
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -252,7 +283,7 @@ class Sampler:
         # temperature and top-k/top-p.
         apply_logit_bias(logits, rows)
         apply_min_tokens(logits, rows)
-        apply_penalties(logits, rows)
+        apply_penalties(logits, rows, deferred)
         if grammar_mask is not None:
             apply_token_bitmask(logits, *grammar_mask)
 

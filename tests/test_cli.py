@@ -41,6 +41,17 @@ def test_chat_repl_answers_and_exits():
     assert "Paris" in out.stdout
 
 
+def test_vllms_boolean_flags_take_both_spellings():
+    from treadle.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    for flags, want in (([], True), (["--enable-prefix-caching"], True),
+                        (["--no-enable-prefix-caching"], False)):
+        ns = parser.parse_args(["serve", *flags, "--no-enable-chunked-prefill"])
+        assert (ns.enable_prefix_caching, ns.enable_chunked_prefill) == (want, False)
+    assert parser.parse_args(["generate", "x", "--enable-chunked-prefill"]).enable_chunked_prefill
+
+
 def test_bad_flag_value_is_a_clear_error():
     out = run("generate", "hi", "--temperature", "-1", "-q")
     assert out.returncode == 2

@@ -71,3 +71,11 @@ def test_max_model_len_past_the_kv_cache(llama):
                    "--block-size", "16")
     assert_clear_error(out, "max_model_len (512)", "KV cache can hold (48 tokens",
                        "num_kv_blocks")
+
+
+def test_a_chat_template_that_is_neither_a_file_nor_a_template_fails_before_the_engine_loads():
+    out, _ = serve("--port", "0", "--chat-template", "templates/missing.jinja")
+    assert_clear_error(out, "--chat-template", "'templates/missing.jinja' is neither a file nor a template")
+    assert "loading the engine" not in out.stderr
+    out, _ = serve("--port", "0", "--default-chat-template-kwargs", "[1]")
+    assert_clear_error(out, "--default-chat-template-kwargs must be a JSON object")

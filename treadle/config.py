@@ -16,6 +16,7 @@ from treadle.validate import check_seconds
 from treadle.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, one_group, step_reach
 from treadle.attention.backend import check_attention_backend
 from treadle.executor.registry import EXECUTORS
+from treadle.models.generation_config import GenerationDefaults, load_generation_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class ModelConfig:
     # "int8" (models/linear.py) or "gguf" (models/gguf_weights.py): weight-only, CPU, float32
     quantization: str | None = None
     gguf_file: str | None = None   # the GGUF file `model` was converted from, if any
+    # Request defaults and EOS tokens from the model's generation_config.json
+    # (models/generation_config.py).
+    generation: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
 
     @property
     def num_layers(self) -> int:
@@ -320,6 +324,11 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     master_port: int | None = None
     max_worker_restarts: int = 0
+    # "auto": the model's generation_config.json sets the defaults of requests that leave
+    # temperature, top_p, top_k, min_p, repetition_penalty or max_tokens unset; "vllm": the
+    # engine's own defaults; or a folder with a generation_config.json. Overrides: its keys.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -353,6 +362,12 @@ class EngineArgs:
         _check_quantization(self.quantization, dtype, device, gguf_file, parallel.tensor_parallel_size)
         path = prepare_model(source)
         hf_config = load_hf_config(path)
+        generation = load_generation_defaults(path, self.generation_config,
+                                              self.override_generation_config)
+        if generation.sampling:
+            logger.info("request defaults from the model's generation config: %s (a request's "
+                        "own values win; --generation-config vllm ignores them)",
+                        ", ".join(f"{k}={v}" for k, v in sorted(generation.sampling.items())))
 
         max_model_len = _max_model_len(self.max_model_len, hf_config)
         block_size = self.block_size if self.block_size is not None else default_block_size(device)
@@ -390,7 +405,8 @@ class EngineArgs:
         model_cfg = ModelConfig(model=path, hf_config=hf_config, dtype=dtype,
                                 max_model_len=max_model_len, seed=self.seed,
                                 quantization=self.quantization, gguf_file=gguf_file,
-                                max_model_len_is_explicit=self.max_model_len is not None)
+                                max_model_len_is_explicit=self.max_model_len is not None,
+                                generation=generation)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=self.num_kv_blocks,
                                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -21,6 +21,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = config.model.vocab_size
         self.eos_token_id = default_eos_token_id(tokenizer, config.model.hf_config)
+        # The other tokens the model's generation config ends a sequence with: each request
+        # stops at them too, as stop tokens (unless ignore_eos), as in vLLM.
+        self.more_eos_token_ids = [t for t in config.model.generation.eos_token_ids
+                                   if t != self.eos_token_id and t < self.vocab_size]
 
     @staticmethod
     def needs_tokenizer(prompt: PromptType) -> bool:
@@ -94,6 +98,10 @@ class InputProcessor:
                       arrival_time: float | None = None) -> list[Request]:
         """One engine-core request per sample; with n > 1 they share the prompt's cached blocks."""
         self.validate_params(params, len(prompt_token_ids))
+        missing = [t for t in self.more_eos_token_ids if t not in params.stop_token_ids]
+        if missing and not params.ignore_eos:
+            params = params.clone()
+            params.stop_token_ids = params.stop_token_ids + missing
         # No max_tokens: the room left in the context, as in vLLM.
         max_tokens = params.max_tokens
         if max_tokens is None:

@@ -49,6 +49,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the defaults,
+        with the model's generation config on top (`generation_config`, as vLLM)."""
+        return SamplingParams(**self.engine.config.model.generation.sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -66,7 +71,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
+            params_list = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -246,14 +246,18 @@ def repl(session: ChatSession) -> int:
         _with_ctrl_c(lambda stop: session.send(message, stop))
 
 
-def run_chat(engine_args: dict[str, Any], params: SamplingParams, system: str | None) -> int:
-    """`treadle chat`: load the model, then talk until the user leaves. Returns the exit status."""
+def run_chat(engine_args: dict[str, Any], params: SamplingParams, system: str | None,
+             chat_template: str | None = None) -> int:
+    """`treadle chat`: load the model, then talk until the user leaves (`chat_template`: in
+    place of the tokenizer's). Returns the exit status."""
     streaming_params(params)   # a bad flag is refused before the model loads
     try:
         engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
     except KeyboardInterrupt:
         _write_stdout("\n")
         return 130
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     try:
         session = ChatSession(engine, params, system)
         _write_stdout(f"treadle chat: {engine.config.model.max_model_len}-token context, "

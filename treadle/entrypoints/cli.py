@@ -43,12 +43,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from treadle import LLM
 
     params = sampling_params_from(ns)
+    template = _chat_template(ns)
     llm = LLM(**engine_args_from(ns))
     if ns.raw:
         outputs = llm.generate(ns.prompts, params, use_tqdm=not ns.quiet)
     else:
         conversations = [[{"role": "user", "content": p}] for p in ns.prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=not ns.quiet)
+        outputs = llm.chat(conversations, params, use_tqdm=not ns.quiet, chat_template=template)
     for prompt, out in zip(ns.prompts, outputs):
         sys.stdout.write(f"### {prompt}\n")
         for c in out.outputs:
@@ -60,7 +61,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from treadle.entrypoints.chat import run_chat
 
-    return run_chat(engine_args_from(ns), sampling_params_from(ns), ns.system)
+    return run_chat(engine_args_from(ns), sampling_params_from(ns), ns.system, _chat_template(ns))
+
+
+def _chat_template(ns: argparse.Namespace) -> str | None:
+    from treadle.entrypoints.chat_template import load_chat_template
+
+    return load_chat_template(ns.chat_template) if ns.chat_template is not None else None
 
 
 def _tree_size(path: str) -> int:
@@ -130,7 +137,8 @@ def cmd_cache(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from treadle.entrypoints.openai.cli_args import bind_socket
+    from treadle.entrypoints.chat_template import load_chat_template
+    from treadle.entrypoints.openai.cli_args import bind_socket, json_dict
     from treadle.entrypoints.openai.tool_parsers import tool_parser_names
 
     if ns.model_tag is not None:
@@ -138,6 +146,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser "
                          f"({', '.join(tool_parser_names())})")
+    if ns.chat_template is not None:   # before the model loads: a typo costs a second
+        ns.chat_template = load_chat_template(ns.chat_template)
+    ns.default_chat_template_kwargs = json_dict("--default-chat-template-kwargs",
+                                                ns.default_chat_template_kwargs)
     sock = bind_socket(ns.host, ns.port)
     from treadle.entrypoints.openai.server import run_server   # the web stack: seconds
     # A server's start-up stages (the engine's too) and request logs are its normal output, so
@@ -174,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    gen.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                     help="chat template (a file, or inline) in place of the tokenizer's")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -183,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "/help in the chat lists its commands; Ctrl-C stops a "
                                       "reply, Ctrl-D leaves.")
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                      help="chat template (a file, or inline) in place of the tokenizer's")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)

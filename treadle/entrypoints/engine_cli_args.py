@@ -55,10 +55,11 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                 else float if name == "gpu_memory_utilization" else int)
         group.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                            help=f"{text} [default: {default}]")
-    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", help="turn prefix caching off")
-    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                       action="store_false", help="turn chunked prefill off")
+    # Both spellings, as vLLM's flags: --enable-prefix-caching and --no-enable-prefix-caching.
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="prefix caching [default: on]")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=True, help="chunked prefill [default: on]")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: every decode step launches its kernels from Python")
     group.add_argument("--async-scheduling", action="store_true",
@@ -76,6 +77,13 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     group.add_argument("--weight-transfer-config", default=None, metavar="JSON",
                        help='weights streamed from a trainer process: \'{"backend": "gloo"}\' '
                             '(CPU) or "nccl" (CUDA), and optionally "timeout_s"')
+    group.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="request defaults (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty, max_new_tokens) from the model's "
+                            "generation_config.json (auto), none (vllm: the engine's own), or a "
+                            "folder's [default: auto]")
+    group.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help='generation-config keys on top of it, e.g. \'{"temperature": 0.5}\'')
     group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                        help='the grammar engine for structured outputs: \'{"backend": '
                             '"xgrammar"}\' (default) or "guidance"')

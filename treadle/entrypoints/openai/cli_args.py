@@ -4,6 +4,7 @@ FastAPI and uvicorn."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 
@@ -37,6 +38,19 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def json_dict(flag: str, text: str | None) -> dict | None:
+    """A flag's JSON object (None stays None); ValueError naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -76,6 +90,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "--tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                    help="how tool calls look in the model's text [default: none]")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template to serve with, from a file or given inline, in place "
+                        "of the tokenizer's [default: the tokenizer's]")
+    g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help='template variables every chat request gets unless it sets them in its '
+                        'chat_template_kwargs, e.g. \'{"enable_thinking": false}\' [default: none]')
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (access log at info) [default: info]")

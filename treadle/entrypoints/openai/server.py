@@ -38,7 +38,8 @@ from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                   UpdateWeightsRequest)
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.console import add_console, is_public
-from treadle.entrypoints.openai.serving_chat import ChatServing, encode_messages
+from treadle.entrypoints.openai.serving_chat import (ChatServing, check_default_template_kwargs,
+                                                     encode_messages)
 from treadle.entrypoints.openai.tool_parsers import get_tool_parser
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.serving_completion import CompletionServing
@@ -77,12 +78,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
               api_key: str | None = None, max_log_len: int | None = None,
               log_requests: bool = False, tool_parser: ToolParser | None = None,
               console: bool = True, metrics_require_api_key: bool = False,
-              max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              default_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
     """The app serving `engine`; it shuts the engine down when the app stops. `tool_parser`
     finds tool calls for tool_choice "auto" (None: "auto" is refused); `console`: the web
     console at / (the status endpoint it polls is always there); `metrics_require_api_key`:
-    /metrics needs `api_key` too; a request body over `max_body_bytes` is a 413."""
-    serving = OpenAIServing(engine, model_names, max_log_len, log_requests)
+    /metrics needs `api_key` too; a request body over `max_body_bytes` is a 413;
+    `default_template_kwargs`: chat template variables a request gets unless it sets them."""
+    serving = OpenAIServing(engine, model_names, max_log_len, log_requests, default_template_kwargs)
+    check_default_template_kwargs(serving.default_template_kwargs, serving.template_variables)
     completions, chat = CompletionServing(serving), ChatServing(serving, tool_parser)
     created = int(time.time())
 
@@ -357,12 +361,15 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any], sock: socket
     logger.info("loading the engine")
     engine = AsyncLLM(**{**engine_args, "model": model_path})
     _stage_done(phases, "engine")
+    if ns.chat_template is not None:   # read and parsed by `treadle serve` before the load
+        engine.get_tokenizer().chat_template = ns.chat_template
     names = ns.served_model_name or [engine_args.get("model") or DEFAULT_SERVED_NAME]
     tool_parser = get_tool_parser(ns.tool_call_parser) if ns.enable_auto_tool_choice else None
     app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len,
                     log_requests=ns.enable_log_requests, tool_parser=tool_parser,
                     console=not ns.no_console, max_body_bytes=ns.max_request_body_bytes,
-                    metrics_require_api_key=ns.metrics_require_api_key)
+                    metrics_require_api_key=ns.metrics_require_api_key,
+                    default_template_kwargs=ns.default_chat_template_kwargs)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
     _Server(config, app, engine, ns.shutdown_timeout, phases).run(sockets=[sock])

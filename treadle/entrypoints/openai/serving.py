@@ -41,7 +41,7 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "pres
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
 _warned_deprecated: set[str] = set()   # each deprecated field is reported once per process
-# OpenAI's default; vLLM would take the model's generation config instead.
+# OpenAI's default, where the model's generation config names none.
 _DEFAULT_TEMPERATURE = 1.0
 # Tokenizer threads: the tokenizer lets go of the GIL while it encodes, so a few long prompts
 # tokenize side by side, and short ones are not queued behind a long one.
@@ -87,9 +87,13 @@ class OpenAIServing:
     endpoint uses; completions and chat build on one shared instance."""
 
     def __init__(self, engine: AsyncLLM, model_names: list[str], max_log_len: int | None,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False,
+                 default_template_kwargs: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.get_tokenizer()
+        # --default-chat-template-kwargs: variables every chat request's template gets unless
+        # the request sets them (checked by the caller against the template).
+        self.default_template_kwargs = dict(default_template_kwargs or {})
         self.model_names = model_names
         self.max_log_len = max_log_len
         # Per-request lines (the request, a disconnect, an abort) flood an eval run's log, so
@@ -181,6 +185,11 @@ class OpenAIServing:
                               "prompt_logprobs")
         kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS
                   if getattr(req, name) is not None}
+        # What the client leaves unset, the model's generation config sets (max_tokens: the
+        # callers', through default_max_tokens).
+        for name, value in self.engine.config.model.generation.sampling.items():
+            if name != "max_tokens":
+                kwargs.setdefault(name, value)
         kwargs.setdefault("temperature", _DEFAULT_TEMPERATURE)
         extra_args = dict(req.vllm_xargs or {})
         if req.kv_transfer_params is not None:
@@ -195,6 +204,16 @@ class OpenAIServing:
             return SamplingParams(output_kind=output_kind, **kwargs)
         except ValueError as e:
             raise OpenAIError(400, str(e), _field_named(str(e), req)) from None
+
+    def default_max_tokens(self, prompt_lengths: list[int]) -> int | None:
+        """max_tokens for a request that sets none: the model generation config's
+        max_new_tokens, lowered to the room the longest prompt leaves (as vLLM takes the least
+        of them); None where the model names none."""
+        default = self.engine.config.model.generation.sampling.get("max_tokens")
+        if default is None:
+            return None
+        room = self.engine.config.model.max_model_len - max(prompt_lengths)
+        return max(1, min(default, room))   # no room: validate() says the prompt is too long
 
     def validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         """The prompt and max_tokens within max_model_len, logprobs in range, token ids in the

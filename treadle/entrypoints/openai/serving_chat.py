@@ -54,6 +54,8 @@ class ChatServing:
                                                                  req.add_special_tokens)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
+        if max_tokens is None:
+            max_tokens = serving.default_max_tokens([len(ids)])
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
             max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -73,20 +75,34 @@ async def encode_messages(serving: OpenAIServing, req: ChatCompletionRequest | T
     /v1/chat/completions and /tokenize both take them): (text, token ids, whether a
     generation prompt was added)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    template_kwargs = _template_kwargs(req, serving.template_variables)
+    template_kwargs = _template_kwargs(req, serving.template_variables,
+                                       serving.default_template_kwargs)
     add_generation_prompt = template_kwargs.pop("add_generation_prompt")
     text, ids = await serving.off_loop(serving.encode_chat, req.messages, add_generation_prompt,
                                        tools, template_kwargs, add_special_tokens)
     return text, ids, add_generation_prompt
 
 
-def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest,
-                     variables: frozenset[str] | None) -> dict[str, Any]:
+def check_default_template_kwargs(defaults: dict[str, Any], variables: frozenset[str] | None) -> None:
+    """--default-chat-template-kwargs, checked at start-up as a request's are: template
+    variables only, and ones the template reads. Raises ValueError."""
+    for key in defaults:
+        if key in _RENDER_ARGUMENTS or key in ("add_generation_prompt", "continue_final_message"):
+            raise ValueError(f"--default-chat-template-kwargs may not set `{key}`: it is not a "
+                             "template variable")
+        if variables is not None and key not in variables:
+            raise ValueError(f"--default-chat-template-kwargs: the chat template does not read "
+                             f"`{key}`")
+
+
+def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest, variables: frozenset[str] | None,
+                     defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the chat template gets besides the messages and tools, as vLLM builds it: the
-    request's options, then its chat_template_kwargs over them. A variable the template never
-    reads (`variables`) would change nothing, so it is refused rather than ignored."""
+    request's options, then the server's default variables (`defaults`), then the request's
+    chat_template_kwargs over them. A variable the template never reads (`variables`) would
+    change nothing, so it is refused rather than ignored."""
     kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
-                              "continue_final_message": req.continue_final_message}
+                              "continue_final_message": req.continue_final_message, **(defaults or {})}
     given = dict(req.chat_template_kwargs or {})
     if req.documents is not None:
         given = {"documents": req.documents, **given}

@@ -46,9 +46,12 @@ class CompletionServing:
                                        "prompt's logprobs twice: send one of them",
                                   "prompt_logprobs")
             overrides["prompt_logprobs"] = req.logprobs
+        max_tokens = req.max_tokens
+        if "max_tokens" not in req.model_fields_set:   # OpenAI's 16, unless the model names one
+            max_tokens = serving.default_max_tokens([len(p["prompt_token_ids"]) for p in prompts]) or max_tokens
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
-            max_tokens=1 if prompt_only else req.max_tokens, logprobs=req.logprobs, **overrides)
+            max_tokens=1 if prompt_only else max_tokens, logprobs=req.logprobs, **overrides)
         for p in prompts:
             serving.validate(params, p["prompt_token_ids"])
         request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -13,10 +13,11 @@ to what a client leaves unset and keep what it sets; with `--chat-template` (a f
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import shutil
 
-import jinja2
 import pytest
 import torch
 import transformers
@@ -25,12 +26,13 @@ from tests.test_server import MODEL, Server
 from treadle import LLM, SamplingParams
 from treadle.entrypoints.chat_template import load_chat_template
 from treadle.entrypoints.openai.serving_chat import check_default_template_kwargs
-from treadle.models.generation_config import load_generation_defaults
+from treadle.models.generation_config import GenerationDefaults, load_generation_defaults
 from treadle.models.loader import load_tokenizer
 
 PROMPT = [1, 40, 41, 42, 43, 40, 41, 42, 43, 40, 41]
 # A chat template of the operator's, reading a variable of its own.
-TEMPLATE = ("{% for m in messages %}{{ greeting }} {{ m['content'] }}\n{% endfor %}"
+TEMPLATE = ("{% for m in messages %}{{ greeting }} {{ m['content'] }}"
+            "{% if m.reasoning_content %} {{ m.reasoning_content }}{% endif %}\n{% endfor %}"
             "{% if add_generation_prompt %}w60{% endif %}")
 PENALTY = 1.6
 MAX_NEW = 12
@@ -75,12 +77,11 @@ def test_the_file_sets_defaults_and_eos_tokens(tmp_path):
         "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0,
         "max_new_tokens": 64, "eos_token_id": [2, 7, 2], "bos_token_id": 1, "pad_token_id": 0}))
     got = load_generation_defaults(str(tmp_path))
-    assert got.sampling == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0,
-                            "max_tokens": 64}
-    assert got.eos_token_ids == (2, 7)
+    assert got.sampling == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0}
+    assert got.max_tokens == 64 and got.eos_token_ids == (2, 7)
     # vLLM's "vllm": the engine's own defaults; the model's EOS tokens still end requests.
-    assert load_generation_defaults(str(tmp_path), "vllm").sampling == {}
-    assert load_generation_defaults(str(tmp_path), "vllm").eos_token_ids == (2, 7)
+    engine_own = load_generation_defaults(str(tmp_path), "vllm")
+    assert (engine_own.sampling, engine_own.max_tokens, engine_own.eos_token_ids) == ({}, None, (2, 7))
     over = load_generation_defaults(str(tmp_path), "auto", '{"temperature": 0.0, "repetition_penalty": 1.1}')
     assert over.sampling["temperature"] == 0.0 and over.sampling["repetition_penalty"] == 1.1
     assert load_generation_defaults(str(tmp_path), "vllm", {"top_k": 5}).sampling == {"top_k": 5}
@@ -89,10 +90,10 @@ def test_the_file_sets_defaults_and_eos_tokens(tmp_path):
     other.mkdir()
     (other / "generation_config.json").write_text('{"temperature": 0.3}')
     assert load_generation_defaults(str(tmp_path), str(other)).sampling == {"temperature": 0.3}
-    # A model without the file has no defaults.
+    # A model without the file has no defaults; its EOS tokens are config.json's.
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert load_generation_defaults(str(empty)) == load_generation_defaults(str(tmp_path), "vllm", None).__class__()
+    assert load_generation_defaults(str(empty), config_eos=[2, 9]) == GenerationDefaults(eos_token_ids=(2, 9))
 
 
 @pytest.mark.parametrize("source, overrides, message", [
@@ -100,6 +101,7 @@ def test_the_file_sets_defaults_and_eos_tokens(tmp_path):
     ("", None, "generation_config must be"),
     ("auto", {"temperature": -1.0}, "temperature"),
     ("auto", {"top_p": 1.5}, "top_p"),
+    ("auto", {"max_new_tokens": 0}, "max_new_tokens must be"),
     ("auto", {"max_tokens": 5}, r"unknown keys \['max_tokens'\]; known: .*max_new_tokens"),
     ("auto", "{not json", "override_generation_config is not valid JSON"),
     ("auto", [1], "override_generation_config must be a dict"),
@@ -120,9 +122,10 @@ def test_a_bad_value_in_the_models_file_is_refused_at_start(tmp_path):
 
 def test_generate_without_parameters_equals_transformers_reading_the_same_file(model_dir):
     with LLM(model_dir["path"], dtype="float32", block_size=16, num_kv_blocks=16) as llm:
+        # max_tokens None: max_new_tokens, or the end of the context if that comes first.
         defaults = llm.get_default_sampling_params()
         assert (defaults.temperature, defaults.repetition_penalty, defaults.max_tokens) == (
-            0.0, PENALTY, MAX_NEW)
+            0.0, PENALTY, None)
         out = llm.generate({"prompt_token_ids": PROMPT}, use_tqdm=False)[0].outputs[0]
         assert list(out.token_ids) == model_dir["reference"]
         assert (out.finish_reason, out.stop_reason) == ("stop", model_dir["second_eos"])
@@ -137,6 +140,35 @@ def test_generate_without_parameters_equals_transformers_reading_the_same_file(m
         greedy = SamplingParams(temperature=0.0, repetition_penalty=PENALTY, max_tokens=MAX_NEW)
         out = llm.generate({"prompt_token_ids": PROMPT}, greedy, use_tqdm=False)[0].outputs[0]
         assert list(out.token_ids) == model_dir["reference"], "the model's second EOS must still stop it"
+
+
+def test_max_new_tokens_bounds_a_request_without_max_tokens_within_the_context(model_dir):
+    args = {"dtype": "float32", "block_size": 16, "num_kv_blocks": 16, "max_model_len": 20}
+    with LLM(model_dir["path"], **args, override_generation_config={"max_new_tokens": 3}) as llm:
+        out = llm.generate({"prompt_token_ids": PROMPT}, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == model_dir["penalized"][:3] and out.finish_reason == "length"
+    # More than the context holds: the context ends it, not an error.
+    with LLM(model_dir["path"], **args, override_generation_config={"max_new_tokens": 4096,
+                                                                    "repetition_penalty": 1.0}) as llm:
+        params = llm.get_default_sampling_params()
+        params.ignore_eos = True
+        out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 20 - len(PROMPT) and out.finish_reason == "length"
+
+
+def test_async_generate_without_parameters_takes_the_models_defaults(model_dir):
+    from treadle.engine.async_llm import AsyncLLM
+
+    async def run() -> list[int]:
+        engine = AsyncLLM(model_dir["path"], dtype="float32", block_size=16, num_kv_blocks=16)
+        try:
+            async for out in engine.generate({"prompt_token_ids": PROMPT}, request_id="r"):
+                last = out
+            return list(last.outputs[0].token_ids)
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == model_dir["reference"]
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +210,14 @@ def test_the_server_applies_the_models_defaults_to_what_a_client_leaves_unset(cl
 
 def test_the_servers_chat_template_and_default_variables(server, model_dir):
     tokenizer = load_tokenizer(model_dir["path"])
-    template = jinja2.Environment().from_string(TEMPLATE)
     messages = [{"role": "user", "content": "w40 w41"}]
 
+    def render(messages: list[dict], greeting: str) -> str:   # transformers' own rendering
+        return tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True, greeting=greeting)
+
     def tokens(greeting: str) -> list[int]:
-        text = template.render(messages=messages, greeting=greeting, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(render(messages, greeting), add_special_tokens=False)
 
     status, body = server.request("POST", "/tokenize", {"messages": messages})
     assert status == 200 and body["tokens"] == tokens("w50")
@@ -192,6 +226,16 @@ def test_the_servers_chat_template_and_default_variables(server, model_dir):
                                                         "chat_template_kwargs": {"greeting": "w51"}})
     assert status == 200 and body["tokens"] == tokens("w51")
     assert server.request("GET", "/tokenizer_info")[1]["chat_template"] == TEMPLATE
+    # A replayed assistant turn's reasoning (either name) reaches the template as
+    # reasoning_content, as interleaved-thinking templates read it.
+    for name in ("reasoning", "reasoning_content"):
+        messages = [{"role": "user", "content": "w40"},
+                    {"role": "assistant", "content": "w41", name: "w42 w43"}]
+        status, body = server.request("POST", "/tokenize", {"messages": messages})
+        text = render([messages[0], {"role": "assistant", "content": "w41",
+                                     "reasoning_content": "w42 w43"}], "w50")
+        assert status == 200 and body["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+        assert "w42 w43" in text
 
 
 def test_a_chat_template_from_a_file_or_inline_is_checked_before_use(tmp_path):
@@ -202,9 +246,16 @@ def test_a_chat_template_from_a_file_or_inline_is_checked_before_use(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not parse: line 1"):
         load_chat_template("{% for m in messages %}{{ m }}")
+    # transformers' own tag parses as it renders.
+    marked = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    assert load_chat_template(marked) == marked
+
+
+def test_default_template_variables_the_template_never_reads_are_dropped_with_a_warning(caplog):
     variables = frozenset({"messages", "greeting", "add_generation_prompt"})
-    check_default_template_kwargs({"greeting": "x"}, variables)
-    with pytest.raises(ValueError, match="does not read `farewell`"):
-        check_default_template_kwargs({"farewell": "x"}, variables)
-    with pytest.raises(ValueError, match="may not set `tokenize`"):
-        check_default_template_kwargs({"tokenize": True}, variables)
+    with caplog.at_level(logging.WARNING):
+        kept = check_default_template_kwargs({"greeting": "x", "enable_thinking": False}, variables)
+    assert kept == {"greeting": "x"} and "does not read `enable_thinking`" in caplog.text
+    for key in ("tokenize", "messages", "add_generation_prompt"):
+        with pytest.raises(ValueError, match=f"may not set `{key}`"):
+            check_default_template_kwargs({key: True}, variables)

@@ -321,6 +321,8 @@ def test_openai_fields_without_effect_are_accepted(client):
      "`functions` is not supported"),
     ("/v1/chat/completions", {"messages": ASK, "reasoning_effort": "low"}, "reasoning_effort",
      "not supported"),
+    ("/v1/chat/completions", {"messages": ASK, "include_reasoning": False}, "include_reasoning",
+     "include_reasoning: false needs the server started with --reasoning-parser"),
     ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {
         "name": "f", "paramters": {}}}]}, "tools.0.function.paramters", "unknown field"),
     ("/tokenize", {"prompt": "x", "add_bos": True}, "add_bos", "unknown field `add_bos`"),

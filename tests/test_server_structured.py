@@ -1,6 +1,8 @@
-"""Structured outputs and tool calling over HTTP: a real `treadle serve` of the embedded
-SmolLM2-135M-Instruct, driven by the unmodified openai SDK (its streaming helper assembles the
-tool-call deltas, so they must arrive as OpenAI sends them)."""
+"""Structured outputs, tool calling and reasoning over HTTP: a real `treadle serve` of the
+embedded SmolLM2-135M-Instruct, driven by the unmodified openai SDK (its streaming helper
+assembles the tool-call deltas, so they must arrive as OpenAI sends them). The server splits
+replies with the qwen3 reasoning parser; SmolLM2 does not think, so a reply that does is forced
+with a choice constraint, and its reasoning must come apart from its answer and tool calls."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     srv = Server(smollm2_path, tmp_path_factory.mktemp("server"), "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes")
+                 "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
     yield srv
     # No block may be held by any request, whatever the tests sent.
     assert srv.request("POST", "/reset_prefix_cache")[0] == 200, srv.log()
@@ -246,3 +248,56 @@ def test_hermes_parser(text, content, calls):
         text_out, streamed = text_out + rest, streamed + found
         assert [(c.name, c.arguments) for c in streamed] == calls
         assert text_out.strip() == (content or "")
+
+
+THOUGHT = "<think>The user wants Paris. I should check.</think>"
+CALL = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        "</tool_call>")
+
+
+def _forced(text: str, **kwargs) -> dict:
+    return {"model": MODEL, "messages": ASK, "max_tokens": 120, "temperature": 0,
+            "extra_body": {"structured_outputs": {"choice": [text]}, **kwargs.pop("extra", {})},
+            **kwargs}
+
+
+def test_reasoning_comes_apart_from_the_answer(client):
+    message = client.chat.completions.create(**_forced(THOUGHT + "Sunny.")).choices[0].message
+    assert message.content == "Sunny."
+    assert message.reasoning == message.reasoning_content == "The user wants Paris. I should check."
+    # Streamed: the reasoning deltas come first, then the answer's, whatever the token cuts.
+    reasoning, content = [], []
+    for chunk in client.chat.completions.create(**_forced(THOUGHT + "Sunny."), stream=True):
+        for choice in chunk.choices:
+            reasoning.append(getattr(choice.delta, "reasoning", None) or "")
+            content.append(choice.delta.content or "")
+            assert (getattr(choice.delta, "reasoning_content", None) or "") == reasoning[-1]
+    assert "".join(reasoning) == message.reasoning and "".join(content) == "Sunny."
+    assert max(i for i, r in enumerate(reasoning) if r) < min(i for i, c in enumerate(content) if c)
+    # include_reasoning: false leaves it out; a reply that does not open with <think> is all answer.
+    quiet = client.chat.completions.create(**_forced(THOUGHT + "Sunny.", extra={"include_reasoning": False}))
+    assert quiet.choices[0].message.content == "Sunny." and quiet.choices[0].message.reasoning is None
+    plain = client.chat.completions.create(**_forced("Sunny, I think.</think>")).choices[0].message
+    assert plain.content == "Sunny, I think.</think>" and plain.reasoning is None
+
+
+def test_tool_calls_are_found_past_the_reasoning(client):
+    for stream in (False, True):
+        resp = client.chat.completions.create(**_forced(THOUGHT + CALL, tools=[WEATHER], stream=stream))
+        if stream:   # the SDK's own assembly of the deltas
+            reasoning, calls, content = "", {}, ""
+            for chunk in resp:
+                for choice in chunk.choices:
+                    reasoning += getattr(choice.delta, "reasoning", None) or ""
+                    content += choice.delta.content or ""
+                    for call in choice.delta.tool_calls or []:
+                        calls.setdefault(call.index, call.function)
+        else:
+            message = resp.choices[0].message
+            assert resp.choices[0].finish_reason == "tool_calls" and message.content is None
+            reasoning, calls, content = message.reasoning, dict(enumerate(message.tool_calls)), ""
+            calls = {k: c.function for k, c in calls.items()}
+        assert reasoning == "The user wants Paris. I should check." and content == ""
+        assert [(c.name, json.loads(c.arguments)) for c in calls.values()] == [
+            ("get_weather", {"city": "Paris", "unit": "celsius"})]
+

@@ -363,11 +363,13 @@ class EngineArgs:
         path = prepare_model(source)
         hf_config = load_hf_config(path)
         generation = load_generation_defaults(path, self.generation_config,
-                                              self.override_generation_config)
-        if generation.sampling:
+                                              self.override_generation_config,
+                                              getattr(hf_config, "eos_token_id", None))
+        if generation.sampling or generation.max_tokens is not None:
+            shown = {**generation.sampling, "max_new_tokens": generation.max_tokens}
             logger.info("request defaults from the model's generation config: %s (a request's "
                         "own values win; --generation-config vllm ignores them)",
-                        ", ".join(f"{k}={v}" for k, v in sorted(generation.sampling.items())))
+                        ", ".join(f"{k}={v}" for k, v in sorted(shown.items()) if v is not None))
 
         max_model_len = _max_model_len(self.max_model_len, hf_config)
         block_size = self.block_size if self.block_size is not None else default_block_size(device)

@@ -83,7 +83,7 @@ class AsyncLLM:
 
         Leaving the generator early (a cancelled task, a closed stream) aborts the request.
         """
-        params = sampling_params or SamplingParams(**self.config.model.generation.sampling)
+        params = sampling_params or self.config.model.generation.sampling_params()
         request_id = request_id or uuid.uuid4().hex
         stream = await self._add_request(request_id, prompt, params, priority, cache_salt)
         finished = False

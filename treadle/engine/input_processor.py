@@ -102,10 +102,13 @@ class InputProcessor:
         if missing and not params.ignore_eos:
             params = params.clone()
             params.stop_token_ids = params.stop_token_ids + missing
-        # No max_tokens: the room left in the context, as in vLLM.
+        # No max_tokens: the room left in the context, as in vLLM, or the model's
+        # max_new_tokens if that is less.
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.config.model.max_model_len - len(prompt_token_ids)
+            if (bound := self.config.model.generation.max_tokens) is not None:
+                max_tokens = min(max_tokens, bound)
         requests = []
         for i in range(params.n):
             child = params

@@ -51,8 +51,9 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the defaults,
-        with the model's generation config on top (`generation_config`, as vLLM)."""
-        return SamplingParams(**self.engine.config.model.generation.sampling)
+        with the model's generation config on top (`generation_config`, as vLLM); where it
+        names max_new_tokens, max_tokens is None: that many, within the context."""
+        return self.engine.config.model.generation.sampling_params()
 
     def generate(
         self,

@@ -11,9 +11,22 @@ from __future__ import annotations
 import os
 
 import jinja2
+import jinja2.ext
 
 # What marks a value as a template rather than a path (vLLM's rule too).
 _TEMPLATE_MARKS = ("{", "}", "\n")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' {% generation %} ... {% endgeneration %} (it marks the assistant's tokens
+    for training), which it adds to jinja: parsed here as its body, for the check only."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
 def load_chat_template(value: str) -> str:
@@ -30,8 +43,8 @@ def load_chat_template(value: str) -> str:
     else:
         raise ValueError(f"--chat-template: {value!r} is neither a file nor a template "
                          "(a template holds {{ ... }} or {% ... %})")
-    try:   # transformers renders with the loopcontrols extension; parse as it would
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    try:   # with the extensions transformers renders with
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationTag]).parse(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template does not parse: line {e.lineno}: {e.message}") from None
     return template

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 
+from treadle.entrypoints.openai.reasoning import reasoning_parser_names
 from treadle.entrypoints.openai.tool_parsers import tool_parser_names
 
 # Bodies past this are refused (413) before they are read: parsing and tokenizing a prompt costs
@@ -90,6 +91,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "--tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
                    help="how tool calls look in the model's text [default: none]")
+    g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                   help="how a thinking model's chain of thought is marked in its text: chat "
+                        "replies carry it in `reasoning` (and `reasoning_content`), the answer "
+                        "in `content` [default: none]")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the chat template to serve with, from a file or given inline, in place "
                         "of the tokenizer's [default: the tokenizer's]")

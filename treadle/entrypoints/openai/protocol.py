@@ -172,9 +172,12 @@ class ChatMessage(OpenAIModel):
     tool_calls: list[ToolCall] | None = None   # an assistant turn that called tools
     tool_call_id: str | None = None            # a tool's answer to that call
     refusal: str | None = None                 # OpenAI's, on a replayed assistant turn; unused
+    # A replayed assistant turn's chain of thought (either name), for templates that show it
+    # again (interleaved thinking), as `reasoning_content`, the name templates read.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
-    unsupported = {"audio": (), "function_call": (), "reasoning_content": (), "reasoning": (),
-                   "annotations": ([],)}
+    unsupported = {"audio": (), "function_call": (), "annotations": ([],)}
 
 
 class FunctionDefinition(OpenAIModel):
@@ -221,11 +224,13 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: str | None = None
     prompt_cache_key: str | None = None   # prefix caching is automatic
     safety_identifier: str | None = None
+    # vLLM's: false leaves the chain of thought out (needs --reasoning-parser to find it).
+    include_reasoning: bool = True
 
     unsupported = {**SamplingFields.unsupported, "best_of": (1,), "chat_template": (),
                    "functions": (), "function_call": (), "audio": (), "modalities": (["text"],),
                    "prediction": (), "web_search_options": (), "reasoning_effort": (),
-                   "verbosity": (), "include_reasoning": (True,), "media_io_kwargs": ()}
+                   "verbosity": (), "media_io_kwargs": ()}
 
 
 class TokenizeRequest(OpenAIModel):
@@ -324,6 +329,10 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With --reasoning-parser: the chain of thought (vLLM's `reasoning`; `reasoning_content`,
+    # its older name, carries the same text for the clients that read that one).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class Delta(BaseModel):
@@ -374,6 +383,8 @@ class DeltaMessage(Delta):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None            # as ChatResponseMessage's
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

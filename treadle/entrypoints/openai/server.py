@@ -36,6 +36,7 @@ from treadle.entrypoints.openai.errors import OpenAIError, error_response
 from treadle.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest,
                                                   UpdateWeightsRequest)
+from treadle.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from treadle.entrypoints.openai.serving import OpenAIServing
 from treadle.entrypoints.openai.console import add_console, is_public
 from treadle.entrypoints.openai.serving_chat import (ChatServing, check_default_template_kwargs,
@@ -77,17 +78,21 @@ class APIKeyMiddleware:
 def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
               api_key: str | None = None, max_log_len: int | None = None,
               log_requests: bool = False, tool_parser: ToolParser | None = None,
+              reasoning_parser: ReasoningParser | None = None,
               console: bool = True, metrics_require_api_key: bool = False,
               max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               default_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
     """The app serving `engine`; it shuts the engine down when the app stops. `tool_parser`
-    finds tool calls for tool_choice "auto" (None: "auto" is refused); `console`: the web
+    finds tool calls for tool_choice "auto" (None: "auto" is refused), `reasoning_parser` a
+    thinking model's chain of thought in chat replies (None: all content); `console`: the web
     console at / (the status endpoint it polls is always there); `metrics_require_api_key`:
     /metrics needs `api_key` too; a request body over `max_body_bytes` is a 413;
     `default_template_kwargs`: chat template variables a request gets unless it sets them."""
     serving = OpenAIServing(engine, model_names, max_log_len, log_requests, default_template_kwargs)
-    check_default_template_kwargs(serving.default_template_kwargs, serving.template_variables)
-    completions, chat = CompletionServing(serving), ChatServing(serving, tool_parser)
+    serving.default_template_kwargs = check_default_template_kwargs(serving.default_template_kwargs,
+                                                                    serving.template_variables)
+    completions = CompletionServing(serving)
+    chat = ChatServing(serving, tool_parser, reasoning_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -367,6 +372,8 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any], sock: socket
     tool_parser = get_tool_parser(ns.tool_call_parser) if ns.enable_auto_tool_choice else None
     app = build_app(engine, names, model_path, api_key=ns.api_key, max_log_len=ns.max_log_len,
                     log_requests=ns.enable_log_requests, tool_parser=tool_parser,
+                    reasoning_parser=(get_reasoning_parser(ns.reasoning_parser)
+                                      if ns.reasoning_parser is not None else None),
                     console=not ns.no_console, max_body_bytes=ns.max_request_body_bytes,
                     metrics_require_api_key=ns.metrics_require_api_key,
                     default_template_kwargs=ns.default_chat_template_kwargs)

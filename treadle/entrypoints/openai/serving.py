@@ -185,11 +185,9 @@ class OpenAIServing:
                               "prompt_logprobs")
         kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS
                   if getattr(req, name) is not None}
-        # What the client leaves unset, the model's generation config sets (max_tokens: the
-        # callers', through default_max_tokens).
+        # What the client leaves unset, the model's generation config sets.
         for name, value in self.engine.config.model.generation.sampling.items():
-            if name != "max_tokens":
-                kwargs.setdefault(name, value)
+            kwargs.setdefault(name, value)
         kwargs.setdefault("temperature", _DEFAULT_TEMPERATURE)
         extra_args = dict(req.vllm_xargs or {})
         if req.kv_transfer_params is not None:
@@ -204,16 +202,6 @@ class OpenAIServing:
             return SamplingParams(output_kind=output_kind, **kwargs)
         except ValueError as e:
             raise OpenAIError(400, str(e), _field_named(str(e), req)) from None
-
-    def default_max_tokens(self, prompt_lengths: list[int]) -> int | None:
-        """max_tokens for a request that sets none: the model generation config's
-        max_new_tokens, lowered to the room the longest prompt leaves (as vLLM takes the least
-        of them); None where the model names none."""
-        default = self.engine.config.model.generation.sampling.get("max_tokens")
-        if default is None:
-            return None
-        room = self.engine.config.model.max_model_len - max(prompt_lengths)
-        return max(1, min(default, room))   # no room: validate() says the prompt is too long
 
     def validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         """The prompt and max_tokens within max_model_len, logprobs in range, token ids in the
@@ -360,6 +348,9 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
         message["name"] = m.name
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if m.tool_calls:
         # Templates read the arguments as a mapping, as transformers documents them.
         message["tool_calls"] = [{"id": c.id, "type": "function", "function": {

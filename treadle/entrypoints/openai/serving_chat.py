@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -10,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from treadle.entrypoints.openai.errors import OpenAIError
+from treadle.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from treadle.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                   ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatLogProb, ChatLogProbs, ChatLogProbsContent,
@@ -24,6 +26,8 @@ from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_con
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind
 
+logger = logging.getLogger(__name__)
+
 
 # apply_chat_template's own arguments that decide what the server gets back; a client's
 # chat_template_kwargs may set the template's variables, not these.
@@ -33,15 +37,20 @@ _RENDER_ARGUMENTS = frozenset({"conversation", "tools", "chat_template", "tokeni
 
 
 class ChatServing:
-    def __init__(self, serving: OpenAIServing, tool_parser: ToolParser | None = None) -> None:
+    def __init__(self, serving: OpenAIServing, tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         self.serving = serving
         self.tool_parser = tool_parser   # for tool_choice "auto"; None: "auto" is refused
+        self.reasoning_parser = reasoning_parser   # None: the whole output is content
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         serving = self.serving
         serving.check_request(req, req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if not req.include_reasoning and self.reasoning_parser is None:
+            raise OpenAIError(400, "include_reasoning: false needs the server started with "
+                                   "--reasoning-parser, to find the reasoning", "include_reasoning")
         tool_choice = tool_choice_of(req, self.tool_parser)
         overrides = {}
         if (constraint := tool_constraint(req, tool_choice)) is not None:
@@ -52,10 +61,9 @@ class ChatServing:
             overrides["structured_outputs"] = constraint
         text, ids, add_generation_prompt = await encode_messages(serving, req,
                                                                  req.add_special_tokens)
+        # None: to the end of the context, or the model's max_new_tokens if less (make_requests).
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
-        if max_tokens is None:
-            max_tokens = serving.default_max_tokens([len(ids)])
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
             max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -63,7 +71,7 @@ class ChatServing:
         serving.validate(params, ids)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         render = _Renderer(serving, req, request_id, add_generation_prompt,
-                           lambda: ToolCalls(tool_choice, self.tool_parser))
+                           lambda: ToolCalls(tool_choice, self.tool_parser), self.reasoning_parser)
         return await serving.run(raw, request_id, [{"prompt": text, "prompt_token_ids": ids}],
                                  params, req.priority, req.cache_salt, req.stream, render.response,
                                  render.chunks)
@@ -83,16 +91,24 @@ async def encode_messages(serving: OpenAIServing, req: ChatCompletionRequest | T
     return text, ids, add_generation_prompt
 
 
-def check_default_template_kwargs(defaults: dict[str, Any], variables: frozenset[str] | None) -> None:
-    """--default-chat-template-kwargs, checked at start-up as a request's are: template
-    variables only, and ones the template reads. Raises ValueError."""
-    for key in defaults:
-        if key in _RENDER_ARGUMENTS or key in ("add_generation_prompt", "continue_final_message"):
+def check_default_template_kwargs(defaults: dict[str, Any], variables: frozenset[str] | None
+                                  ) -> dict[str, Any]:
+    """--default-chat-template-kwargs, checked at start-up: a name that is how the template is
+    rendered, not a variable of it, is a ValueError; one the template never reads is dropped
+    with a warning (vLLM drops it silently: `{"enable_thinking": false}` is set on servers of
+    models that do not think). Returns what is kept."""
+    kept = {}
+    for key, value in defaults.items():
+        if key in _RENDER_ARGUMENTS or key in ("messages", "add_generation_prompt",
+                                               "continue_final_message"):
             raise ValueError(f"--default-chat-template-kwargs may not set `{key}`: it is not a "
                              "template variable")
         if variables is not None and key not in variables:
-            raise ValueError(f"--default-chat-template-kwargs: the chat template does not read "
-                             f"`{key}`")
+            logger.warning("--default-chat-template-kwargs: the chat template does not read "
+                           "`%s`; it is left out", key)
+            continue
+        kept[key] = value
+    return kept
 
 
 def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest, variables: frozenset[str] | None,
@@ -127,12 +143,14 @@ def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest, variables: fr
 
 class _Renderer:
     def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, request_id: str,
-                 add_generation_prompt: bool, tool_calls: Callable[[], ToolCalls]) -> None:
+                 add_generation_prompt: bool, tool_calls: Callable[[], ToolCalls],
+                 reasoning: ReasoningParser | None) -> None:
         self.serving = serving
         self.req = req
         self.id = request_id
         self.created = int(time.time())
         self.tool_calls = tool_calls   # a fresh one per choice
+        self.reasoning = reasoning     # tool calls are looked for past the reasoning only
         # As vLLM: without a generation prompt the reply goes on in the last message's role,
         # and `echo` puts that message's content in front of the reply when roles match.
         last = req.messages[-1]
@@ -143,12 +161,16 @@ class _Renderer:
         out = finals[0]
         choices = []
         for c in out.outputs:
-            content, calls = self.tool_calls().extract(c.text)
+            reasoning, text = self.reasoning.split(c.text) if self.reasoning else (None, c.text)
+            content, calls = self.tool_calls().extract(text) if text is not None else (None, [])
             if self.req.echo:
                 content = self.echo + (content or "")
+            if not self.req.include_reasoning:
+                reasoning = None
             choices.append(ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(role=self.role, content=content, tool_calls=calls),
+                message=ChatResponseMessage(role=self.role, content=content, tool_calls=calls,
+                                            reasoning=reasoning, reasoning_content=reasoning),
                 logprobs=self._logprobs(c.token_ids, c.logprobs),
                 finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                 stop_reason=c.stop_reason, token_ids=self._token_ids(c.token_ids)))
@@ -166,6 +188,7 @@ class _Renderer:
                      ) -> AsyncIterator[ChatCompletionChunk]:
         progress = [ChoiceProgress() for _ in range(self.req.n)]
         tool_calls = [self.tool_calls() for _ in range(self.req.n)]
+        reasoning = [self.reasoning.stream() if self.reasoning else None for _ in range(self.req.n)]
         # As OpenAI does: each choice opens with the role and empty content (the echo, if any).
         first = self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role=self.role,
                                                                           content=self.echo))
@@ -173,11 +196,11 @@ class _Renderer:
         first.prompt_token_ids = self._token_ids(firsts[0].prompt_token_ids)
         yield first
         latest = firsts[0]
-        if (chunk := self._delta_chunk(progress, tool_calls, latest)) is not None:
+        if (chunk := self._delta_chunk(progress, tool_calls, reasoning, latest)) is not None:
             yield chunk
         async for _, out in streams:
             latest = out
-            if (chunk := self._delta_chunk(progress, tool_calls, out)) is not None:
+            if (chunk := self._delta_chunk(progress, tool_calls, reasoning, out)) is not None:
                 yield chunk
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield ChatCompletionChunk(id=self.id, created=self.created,
@@ -185,22 +208,30 @@ class _Renderer:
                                       usage=usage([latest]))
 
     def _delta_chunk(self, progress: list[ChoiceProgress], tool_calls: list[ToolCalls],
+                     reasoning_streams: list[ReasoningStream | None],
                      out: RequestOutput) -> ChatCompletionChunk | None:
         choices = []
         for c in out.outputs:
             delta = progress[c.index].take(c)
             if delta is None:
                 continue
-            calls = tool_calls[c.index]
-            content, call_deltas = calls.feed(delta.text, delta.finish_reason is not None)
+            calls, finished = tool_calls[c.index], delta.finish_reason is not None
+            text, reasoning = delta.text, ""
+            if (stream := reasoning_streams[c.index]) is not None:
+                reasoning, text = stream.feed(text, finished)
+                if not self.req.include_reasoning:
+                    reasoning = ""
+            content, call_deltas = calls.feed(text, finished)
             token_ids = progress[c.index].held_ids + delta.token_ids
-            if not content and not call_deltas and delta.finish_reason is None:
+            if not content and not call_deltas and not reasoning and not finished:
                 progress[c.index].held_ids = token_ids
-                continue   # held back: a tool call has begun and is not complete
+                continue   # held back: a tool call or a tag has begun and is not complete
             progress[c.index].held_ids = []
             choices.append(ChatStreamChoice(
-                index=c.index, delta=DeltaMessage(content=content if content or not call_deltas
-                                                  else None, tool_calls=call_deltas or None),
+                index=c.index, delta=DeltaMessage(
+                    content=content if content or not (call_deltas or reasoning) else None,
+                    tool_calls=call_deltas or None, reasoning=reasoning or None,
+                    reasoning_content=reasoning or None),
                 logprobs=self._logprobs(delta.token_ids, delta.logprobs),
                 finish_reason=_finish_reason(delta.finish_reason, calls.num_streamed > 0),
                 stop_reason=delta.stop_reason, token_ids=self._token_ids(token_ids)))

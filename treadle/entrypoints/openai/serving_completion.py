@@ -47,8 +47,9 @@ class CompletionServing:
                                   "prompt_logprobs")
             overrides["prompt_logprobs"] = req.logprobs
         max_tokens = req.max_tokens
-        if "max_tokens" not in req.model_fields_set:   # OpenAI's 16, unless the model names one
-            max_tokens = serving.default_max_tokens([len(p["prompt_token_ids"]) for p in prompts]) or max_tokens
+        bound = serving.engine.config.model.generation.max_tokens
+        if "max_tokens" not in req.model_fields_set and bound is not None:
+            max_tokens = min(max_tokens, bound)   # OpenAI's 16, or the model's max_new_tokens if less
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
             max_tokens=1 if prompt_only else max_tokens, logprobs=req.logprobs, **overrides)

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treadle.entrypoints.openai.reasoning import get_reasoning_parser, reasoning_parser_names
+from treadle.entrypoints.openai.reasoning import get_reasoning_parser
 
 CASES = {
-    # text: (deepseek_r1, qwen3)
+    # text: (thinking: deepseek_r1, and qwen3 by default; thinking off or constrained)
     "<think>abc</think>def": (("abc", "def"), ("abc", "def")),
     "abc</think>def": (("abc", "def"), (None, "abc</think>def")),
     "<think>cut short": (("cut short", None), ("cut short", None)),
@@ -19,16 +19,26 @@ CASES = {
     "a<think>b</think>c": (("a<think>b", "c"), (None, "a<think>b</think>c")),
     "": ((None, None), (None, None)),
 }
+DEEPSEEK, QWEN3 = get_reasoning_parser("deepseek_r1"), get_reasoning_parser("qwen3")
+# (parser, whether it thinks) for each way a request may come
+RULES = {
+    "deepseek_r1": (DEEPSEEK.for_request(thinking=True, constrained=False), True),
+    "deepseek_r1 told not to think": (DEEPSEEK.for_request(thinking=False, constrained=False), True),
+    "deepseek_r1 under a grammar": (DEEPSEEK.for_request(thinking=True, constrained=True), False),
+    "qwen3": (QWEN3.for_request(thinking=True, constrained=False), True),
+    "qwen3 enable_thinking=false": (QWEN3.for_request(thinking=False, constrained=False), False),
+    "qwen3 under a grammar": (QWEN3.for_request(thinking=True, constrained=True), False),
+}
 
 
 @pytest.mark.parametrize("text", list(CASES))
 def test_whole_outputs(text):
-    for name, want in zip(("deepseek_r1", "qwen3"), CASES[text]):
-        assert get_reasoning_parser(name).split(text) == want, name
+    for rule, (parser, thinks) in RULES.items():
+        assert parser.split(text) == CASES[text][0 if thinks else 1], rule
 
 
-def streamed(name: str, pieces: list[str]) -> tuple[str | None, str | None]:
-    stream = get_reasoning_parser(name).stream()
+def streamed(parser, pieces: list[str]) -> tuple[str | None, str | None]:
+    stream = parser.stream()
     reasoning = content = ""
     for i, piece in enumerate(pieces):
         r, c = stream.feed(piece, finished=i == len(pieces) - 1)
@@ -44,8 +54,8 @@ def test_streamed_in_any_cuts_equals_whole(words, cuts):
     text = "".join(words)
     cuts = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-    for name in reasoning_parser_names():
-        assert streamed(name, pieces) == get_reasoning_parser(name).split(text), (name, pieces)
+    for rule, (parser, _) in RULES.items():
+        assert streamed(parser, pieces) == parser.split(text), (rule, pieces)
 
 
 def test_an_unknown_parser_names_the_choices():

@@ -1,8 +1,10 @@
 """Structured outputs, tool calling and reasoning over HTTP: a real `treadle serve` of the
 embedded SmolLM2-135M-Instruct, driven by the unmodified openai SDK (its streaming helper
 assembles the tool-call deltas, so they must arrive as OpenAI sends them). The server splits
-replies with the qwen3 reasoning parser; SmolLM2 does not think, so a reply that does is forced
-with a choice constraint, and its reasoning must come apart from its answer and tool calls."""
+replies with the qwen3 reasoning parser, thinking off by default (its chat template, SmolLM2's
+with Qwen3's enable_thinking switch, and --default-chat-template-kwargs); SmolLM2 does not
+think, so a reply that does is forced with a choice constraint, and its reasoning must come
+apart from its answer, its tool calls and its logprobs."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.protocol import ChatCompletionRequest
 from treadle.entrypoints.openai.tool_parsers import get_tool_parser
 from treadle.entrypoints.openai.tools import tool_choice_of
+from treadle.models.loader import load_tokenizer, prepare_model
 
 from tests.test_server import ENGINE_ARGS, MODEL, Server, assert_error
 
@@ -34,8 +37,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    srv = Server(smollm2_path, tmp_path_factory.mktemp("server"), "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    folder = tmp_path_factory.mktemp("server")
+    template = folder / "template.jinja"   # SmolLM2's, reading Qwen3's switch (to no effect)
+    template.write_text("{% if enable_thinking is defined %}{% endif %}"
+                        + load_tokenizer(prepare_model(smollm2_path)).chat_template)
+    srv = Server(smollm2_path, folder, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                 "--reasoning-parser", "qwen3", "--chat-template", str(template),
+                 "--default-chat-template-kwargs", '{"enable_thinking": false}')
     yield srv
     # No block may be held by any request, whatever the tests sent.
     assert srv.request("POST", "/reset_prefix_cache")[0] == 200, srv.log()
@@ -262,23 +270,41 @@ def _forced(text: str, **kwargs) -> dict:
 
 
 def test_reasoning_comes_apart_from_the_answer(client):
-    message = client.chat.completions.create(**_forced(THOUGHT + "Sunny.")).choices[0].message
+    whole = client.chat.completions.create(**_forced(THOUGHT + "Sunny.", logprobs=True))
+    message = whole.choices[0].message
     assert message.content == "Sunny."
     assert message.reasoning == message.reasoning_content == "The user wants Paris. I should check."
-    # Streamed: the reasoning deltas come first, then the answer's, whatever the token cuts.
-    reasoning, content = [], []
-    for chunk in client.chat.completions.create(**_forced(THOUGHT + "Sunny."), stream=True):
+    # Streamed: the reasoning deltas come first, then the answer's, whatever the token cuts;
+    # tokens held back for a tag come with their logprobs.
+    reasoning, content, logprobs = [], [], []
+    for chunk in client.chat.completions.create(**_forced(THOUGHT + "Sunny.", logprobs=True),
+                                                stream=True):
         for choice in chunk.choices:
             reasoning.append(getattr(choice.delta, "reasoning", None) or "")
             content.append(choice.delta.content or "")
             assert (getattr(choice.delta, "reasoning_content", None) or "") == reasoning[-1]
+            logprobs += choice.logprobs.content if choice.logprobs else []
     assert "".join(reasoning) == message.reasoning and "".join(content) == "Sunny."
     assert max(i for i, r in enumerate(reasoning) if r) < min(i for i, c in enumerate(content) if c)
+    assert [(lp.token, lp.logprob) for lp in logprobs] == [
+        (lp.token, lp.logprob) for lp in whole.choices[0].logprobs.content]
+    assert len(logprobs) == whole.usage.completion_tokens
     # include_reasoning: false leaves it out; a reply that does not open with <think> is all answer.
     quiet = client.chat.completions.create(**_forced(THOUGHT + "Sunny.", extra={"include_reasoning": False}))
     assert quiet.choices[0].message.content == "Sunny." and quiet.choices[0].message.reasoning is None
     plain = client.chat.completions.create(**_forced("Sunny, I think.</think>")).choices[0].message
     assert plain.content == "Sunny, I think.</think>" and plain.reasoning is None
+
+
+def test_enable_thinking_switches_the_reasoning_on(client):
+    """With thinking on (qwen3's default, turned off by this server's default variables), a
+    reply is reasoning from its first token, up to a </think> this model never writes."""
+    ask = {"model": MODEL, "messages": ASK, "max_tokens": 6, "temperature": 0}
+    off = client.chat.completions.create(**ask).choices[0].message
+    on = client.chat.completions.create(
+        **ask, extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
+    assert off.reasoning is None and off.content
+    assert on.content is None and on.reasoning == off.content
 
 
 def test_tool_calls_are_found_past_the_reasoning(client):

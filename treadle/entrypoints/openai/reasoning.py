@@ -2,15 +2,20 @@
 apart from its answer, in the chat message's `reasoning` (and `reasoning_content`, the older
 name many clients still read).
 
-  deepseek_r1  DeepSeek-R1 and its distills, whose template opens <think> in the prompt: the
-               output is reasoning from its start (an opening <think> dropped) up to </think>,
-               or to its end if it never closes it (cut short while thinking).
-  qwen3        Qwen3 and QwQ: reasoning only where the output opens with <think>, up to
-               </think> or the end; any other output is all answer (enable_thinking=False).
+  deepseek_r1  DeepSeek-R1 and its distills, whose template opens <think> in the prompt.
+  qwen3        Qwen3, QwQ and Qwen3.5 (whose templates put <think> in the prompt too, where the
+               older ones let the model write it), with their switch: a request whose template
+               variables say enable_thinking=false (its chat_template_kwargs, or the server's
+               --default-chat-template-kwargs) gets an answer only.
 
-The answer after </think> is `content`, and tool calls are looked for there only. The whole
-output (`split`) and the streamed one (`ReasoningStream`) split alike, however the text is cut
-into deltas: a tag cut between two deltas is held back until it is whole.
+The output is reasoning from its start (an opening <think> dropped) up to </think>, or to its
+end if it never closes it (cut short while thinking); the answer after </think> is `content`,
+and tool calls are looked for there only. Where thinking is off, or a grammar constrains the
+reply (structured outputs, a forced tool call: it binds from the first token, so the model
+cannot think first), only an output that opens with <think> has reasoning. The whole output
+(`split`) and the streamed one (`ReasoningStream`) split alike, however the text is cut into
+deltas: a tag cut between two deltas is held back until it is whole. Unlike vLLM's qwen3
+parser, a <tool_call> does not end unclosed reasoning.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     # Whether the output starts inside the reasoning (its <think> is in the prompt).
     opens_inside: bool
+    # Whether enable_thinking=false turns the reasoning off (qwen3's template switch).
+    thinking_switch: bool = False
+
+    def for_request(self, thinking: bool, constrained: bool) -> ReasoningParser:
+        """The parser for one request: `thinking` is its enable_thinking (True if unset);
+        `constrained`: a grammar binds its output from the first token."""
+        inside = self.opens_inside and not constrained and (thinking or not self.thinking_switch)
+        return ReasoningParser(inside, self.thinking_switch)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole output as (reasoning, content); None where a part is empty."""
@@ -77,7 +90,7 @@ def _tag_prefix_at_end(text: str, tag: str) -> int:
 
 
 _PARSERS = {"deepseek_r1": ReasoningParser(opens_inside=True),
-            "qwen3": ReasoningParser(opens_inside=False)}
+            "qwen3": ReasoningParser(opens_inside=True, thinking_switch=True)}
 
 
 def reasoning_parser_names() -> list[str]:

@@ -67,7 +67,9 @@ class ChoiceProgress:
         self.text_len = 0
         self.num_tokens = 0
         self.done = False
-        self.held_ids: list[int] = []   # token ids of text a stream holds back (a tool call)
+        # Token ids, and their logprobs, of text a stream holds back (a tool call, a tag).
+        self.held_ids: list[int] = []
+        self.held_logprobs: list = []
 
     def take(self, c: CompletionOutput) -> Delta | None:
         """The new part of `c`; None when there is nothing new or the choice already ended."""

@@ -70,8 +70,14 @@ class ChatServing:
             **overrides)
         serving.validate(params, ids)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        reasoning = None
+        if self.reasoning_parser is not None:
+            variables = {**serving.default_template_kwargs, **(req.chat_template_kwargs or {})}
+            reasoning = self.reasoning_parser.for_request(
+                thinking=variables.get("enable_thinking", True) is not False,
+                constrained=params.structured_outputs is not None)
         render = _Renderer(serving, req, request_id, add_generation_prompt,
-                           lambda: ToolCalls(tool_choice, self.tool_parser), self.reasoning_parser)
+                           lambda: ToolCalls(tool_choice, self.tool_parser), reasoning)
         return await serving.run(raw, request_id, [{"prompt": text, "prompt_token_ids": ids}],
                                  params, req.priority, req.cache_salt, req.stream, render.response,
                                  render.chunks)
@@ -222,17 +228,19 @@ class _Renderer:
                 if not self.req.include_reasoning:
                     reasoning = ""
             content, call_deltas = calls.feed(text, finished)
-            token_ids = progress[c.index].held_ids + delta.token_ids
+            held = progress[c.index]
+            token_ids = held.held_ids + delta.token_ids
+            logprobs = held.held_logprobs + delta.logprobs if delta.logprobs is not None else None
             if not content and not call_deltas and not reasoning and not finished:
-                progress[c.index].held_ids = token_ids
+                held.held_ids, held.held_logprobs = token_ids, logprobs or []
                 continue   # held back: a tool call or a tag has begun and is not complete
-            progress[c.index].held_ids = []
+            held.held_ids, held.held_logprobs = [], []
             choices.append(ChatStreamChoice(
                 index=c.index, delta=DeltaMessage(
                     content=content if content or not (call_deltas or reasoning) else None,
                     tool_calls=call_deltas or None, reasoning=reasoning or None,
                     reasoning_content=reasoning or None),
-                logprobs=self._logprobs(delta.token_ids, delta.logprobs),
+                logprobs=self._logprobs(token_ids, logprobs),
                 finish_reason=_finish_reason(delta.finish_reason, calls.num_streamed > 0),
                 stop_reason=delta.stop_reason, token_ids=self._token_ids(token_ids)))
         if not choices:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -12,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from treadle.validate import check_seconds
+from treadle.validate import check_seconds, json_dict
 from treadle.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, one_group, step_reach
 from treadle.attention.backend import check_attention_backend
 from treadle.executor.registry import EXECUTORS
@@ -464,18 +463,7 @@ class EngineArgs:
 def _json_fields(name: str, spec: dict[str, Any] | str, cls: type) -> dict[str, Any]:
     """A dict argument for dataclass `cls`, or its JSON (from the command line), with no key
     the dataclass does not have."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"{name} must be a dict, got {type(spec).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(spec) - known
-    if unknown:
-        raise ValueError(f"{name} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    return spec
+    return json_dict(name, spec, {f.name for f in dataclasses.fields(cls)})
 
 
 ALLOW_LONG_MAX_MODEL_LEN = "TREADLE_ALLOW_LONG_MAX_MODEL_LEN"

@@ -3,7 +3,8 @@ the field and the allowed range."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Collection
 
 
 def check_seconds(name: str, value: Any, zero_ok: bool = False, zero_means: str = "") -> float:
@@ -14,3 +15,20 @@ def check_seconds(name: str, value: Any, zero_ok: bool = False, zero_means: str 
         bound = ">= 0" + (f" ({zero_means})" if zero_means else "") if zero_ok else "> 0"
         raise ValueError(f"{name} must be a number of seconds {bound}, got {value!r}")
     return float(value)
+
+
+def json_dict(name: str, spec: dict[str, Any] | str, known: Collection[str] | None = None,
+              kind: str = "a dict") -> dict[str, Any]:
+    """A dict argument, or its JSON (from the command line); with `known`, no key outside it.
+    `kind`: what the message calls a dict ("a JSON object" for a flag that takes only JSON)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{name} must be {kind}, got {type(spec).__name__}")
+    unknown = set(spec) - set(known) if known is not None else set()
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return spec

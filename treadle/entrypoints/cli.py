@@ -138,7 +138,8 @@ def cmd_cache(ns: argparse.Namespace) -> int:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from treadle.entrypoints.chat_template import load_chat_template
-    from treadle.entrypoints.openai.cli_args import bind_socket, json_dict
+    from treadle.entrypoints.openai.cli_args import bind_socket
+    from treadle.validate import json_dict
     from treadle.entrypoints.openai.tool_parsers import tool_parser_names
 
     if ns.model_tag is not None:
@@ -148,8 +149,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                          f"({', '.join(tool_parser_names())})")
     if ns.chat_template is not None:   # before the model loads: a typo costs a second
         ns.chat_template = load_chat_template(ns.chat_template)
-    ns.default_chat_template_kwargs = json_dict("--default-chat-template-kwargs",
-                                                ns.default_chat_template_kwargs)
+    if ns.default_chat_template_kwargs is not None:
+        ns.default_chat_template_kwargs = json_dict("--default-chat-template-kwargs",
+                                                    ns.default_chat_template_kwargs,
+                                                    kind="a JSON object")
     sock = bind_socket(ns.host, ns.port)
     from treadle.entrypoints.openai.server import run_server   # the web stack: seconds
     # A server's start-up stages (the engine's too) and request logs are its normal output, so

@@ -20,14 +20,12 @@ model, not a sampling taste.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
+from treadle.validate import json_dict
 
 FILE = "generation_config.json"
 # generation_config.json's keys that become request defaults (SamplingParams fields of the same
@@ -72,7 +70,8 @@ def load_generation_defaults(model_dir: str, source: str = "auto",
                              f"{FILE}; {source!r} has none")
         chosen = _read(path)
     values = {k: v for k, v in chosen.items() if k in KEYS and v is not None}
-    values.update(_overrides(overrides))
+    if overrides is not None:
+        values.update(json_dict("override_generation_config", overrides, KEYS))
     max_tokens = values.pop("max_new_tokens", None)
     try:
         SamplingParams(**values, max_tokens=max_tokens)
@@ -98,19 +97,3 @@ def _read(path: str) -> dict[str, Any]:
         raise ValueError(f"{path} must hold a JSON object")
     return data
 
-
-def _overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
-    if overrides is None:
-        return {}
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"override_generation_config must be a dict, got {type(overrides).__name__}")
-    unknown = sorted(set(overrides) - set(KEYS))
-    if unknown:
-        raise ValueError(f"override_generation_config has unknown keys {unknown}; "
-                         f"known: {sorted(KEYS)}")
-    return overrides

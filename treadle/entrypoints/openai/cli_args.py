@@ -4,7 +4,6 @@ FastAPI and uvicorn."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 
@@ -39,19 +38,6 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def json_dict(flag: str, text: str | None) -> dict | None:
-    """A flag's JSON object (None stays None); ValueError naming the flag otherwise."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
     return value
 
 

@@ -88,8 +88,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
     console at / (the status endpoint it polls is always there); `metrics_require_api_key`:
     /metrics needs `api_key` too; a request body over `max_body_bytes` is a 413;
     `default_template_kwargs`: chat template variables a request gets unless it sets them."""
-    serving = OpenAIServing(engine, model_names, max_log_len, log_requests, default_template_kwargs)
-    serving.default_template_kwargs = check_default_template_kwargs(serving.default_template_kwargs,
+    serving = OpenAIServing(engine, model_names, max_log_len, log_requests)
+    serving.default_template_kwargs = check_default_template_kwargs(default_template_kwargs or {},
                                                                     serving.template_variables)
     completions = CompletionServing(serving)
     chat = ChatServing(serving, tool_parser, reasoning_parser)

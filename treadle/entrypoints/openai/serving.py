@@ -89,13 +89,12 @@ class OpenAIServing:
     endpoint uses; completions and chat build on one shared instance."""
 
     def __init__(self, engine: AsyncLLM, model_names: list[str], max_log_len: int | None,
-                 log_requests: bool = False,
-                 default_template_kwargs: dict[str, Any] | None = None) -> None:
+                 log_requests: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.get_tokenizer()
         # --default-chat-template-kwargs: variables every chat request's template gets unless
-        # the request sets them (checked by the caller against the template).
-        self.default_template_kwargs = dict(default_template_kwargs or {})
+        # the request sets them (build_app sets them, checked against the template).
+        self.default_template_kwargs: dict[str, Any] = {}
         self.model_names = model_names
         self.max_log_len = max_log_len
         # Per-request lines (the request, a disconnect, an abort) flood an eval run's log, so

@@ -223,6 +223,42 @@ def test_chat_streams_the_same_answer_as_the_api(browser, server, artifacts):
     browser.find_element(By.ID, "show-tokens").click()
 
 
+def test_a_thinking_models_reasoning_streams_into_its_fold(browser, smollm2_path, tmp_path_factory,
+                                                          artifacts):
+    """With deepseek_r1's parser the output is reasoning up to a </think> SmolLM2 never writes:
+    the console streams it into the reasoning fold, as the API's `reasoning` has it."""
+    srv = Server(smollm2_path, tmp_path_factory.mktemp("console-thinking"),
+                 "--reasoning-parser", "deepseek_r1")
+    try:
+        wait = open_console(browser, srv)
+        set_field(browser, "max-tokens", "24")
+        browser.find_element(By.ID, "prompt").send_keys("Why is the sky blue?")
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".message.assistant").get_attribute(
+            "data-state") == "done")
+        answer = browser.find_element(By.CSS_SELECTOR, ".message.assistant")
+        fold = answer.find_element(By.CSS_SELECTOR, "details.reasoning")
+        browser.save_screenshot(str(artifacts / "playground-reasoning.png"))
+        api = srv.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Why is the sky blue?"}],
+            temperature=0, top_p=1, max_tokens=24)
+        message = api.choices[0].message
+        assert message.content is None and message.reasoning
+        assert fold.get_attribute("open") is not None
+        assert fold.find_element(By.TAG_NAME, "div").get_attribute("textContent") == message.reasoning
+        assert answer.find_element(By.CLASS_NAME, "text").get_attribute("textContent") == ""
+        assert "TTFT" in answer.find_element(By.CLASS_NAME, "answer-stats").text
+        # The token view shows every token of the reply, the thought's, in place of the fold.
+        browser.find_element(By.ID, "show-tokens").click()
+        assert not fold.is_displayed()
+        tokens = answer.find_elements(By.CLASS_NAME, "token")
+        assert "".join(t.get_attribute("textContent") for t in tokens) == message.reasoning
+        browser.find_element(By.ID, "show-tokens").click()
+        assert fold.is_displayed()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def _load(server: Server, n: int, max_tokens: int) -> list[threading.Thread]:
     client = server.client()
 

@@ -48,6 +48,19 @@ def test_chat_uses_the_template_and_stops_at_eos(llm):
     no_leaks(llm)
 
 
+def test_chat_template_kwargs_reach_the_template(llm):
+    """vLLM's LLM.chat(chat_template_kwargs=...): variables the template reads; chat()'s own
+    arguments are refused, not passed twice."""
+    template = "{{ greeting }}{% for m in messages %} {{ m['content'] }}{% endfor %}:"
+    ask = [{"role": "user", "content": "one two"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    out = llm.chat(ask, params, use_tqdm=False, chat_template=template,
+                   chat_template_kwargs={"greeting": "Counting"})[0]
+    assert out.prompt == "Counting one two:"
+    with pytest.raises(ValueError, match=r"chat_template_kwargs must not set \['tokenize'\]"):
+        llm.chat(ask, params, chat_template_kwargs={"tokenize": True})
+
+
 def test_stop_strings_truncate_text(llm):
     base = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert " 6," in base.outputs[0].text, base.outputs[0].text

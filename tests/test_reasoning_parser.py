@@ -19,6 +19,14 @@ CASES = {
     "a<think>b</think>c": (("a<think>b", "c"), (None, "a<think>b</think>c")),
     "": ((None, None), (None, None)),
 }
+# A <tool_call> ends qwen3's unclosed reasoning and is content; deepseek_r1 thinks on through it.
+TOOL_CALL_CASES = {   # text: (qwen3, deepseek_r1), both thinking
+    "let me call<tool_call>{}</tool_call>": (("let me call", "<tool_call>{}</tool_call>"),
+                                             ("let me call<tool_call>{}</tool_call>", None)),
+    "<think>a<tool_call>b</think>c": (("a", "<tool_call>b</think>c"), ("a<tool_call>b", "c")),
+    "a</think>b<tool_call>c": (("a", "b<tool_call>c"), ("a", "b<tool_call>c")),
+    "<tool_call>x": ((None, "<tool_call>x"), ("<tool_call>x", None)),
+}
 DEEPSEEK, QWEN3 = get_reasoning_parser("deepseek_r1"), get_reasoning_parser("qwen3")
 # (parser, whether it thinks) for each way a request may come
 RULES = {
@@ -37,6 +45,12 @@ def test_whole_outputs(text):
         assert parser.split(text) == CASES[text][0 if thinks else 1], rule
 
 
+@pytest.mark.parametrize("text", list(TOOL_CALL_CASES))
+def test_a_tool_call_ends_qwen3s_reasoning(text):
+    assert RULES["qwen3"][0].split(text) == TOOL_CALL_CASES[text][0]
+    assert RULES["deepseek_r1"][0].split(text) == TOOL_CALL_CASES[text][1]
+
+
 def streamed(parser, pieces: list[str]) -> tuple[str | None, str | None]:
     stream = parser.stream()
     reasoning = content = ""
@@ -48,7 +62,8 @@ def streamed(parser, pieces: list[str]) -> tuple[str | None, str | None]:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(["<", "<th", "ink>", "</", "think>", "<think>", "</think>",
-                                 "a", "b c", "\n", "think", ">"]), max_size=12),
+                                 "a", "b c", "\n", "think", ">", "<tool_", "call>", "<tool_call>"]),
+                max_size=12),
        st.lists(st.integers(0, 60), max_size=6))
 def test_streamed_in_any_cuts_equals_whole(words, cuts):
     text = "".join(words)

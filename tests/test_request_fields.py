@@ -130,6 +130,141 @@ def test_bad_logit_bias_is_a_400_naming_it(client, bias, message):
         assert message in e.message and e.body["param"] == "logit_bias", e.body
 
 
+# -- allowed_token_ids --------------------------------------------------------------------------
+def test_allowed_token_ids_equal_transformers_prefix_allowed_tokens(client, model_path, tokenizer,
+                                                                    reference):
+    """Greedy: only the allowed tokens (the unconstrained choice not among them) come out, as
+    transformers gives them with prefix_allowed_tokens_fn; sampled, seeded: only they too."""
+    ref = reference(model_path)
+    ids = tokenizer.encode("The capital of France is")
+    plain = ref.greedy(ids, 1)
+    allowed = [t for t in (7, 42, 99, 1234, 4000, plain[0] + 1) if t != plain[0]]
+    out = ref.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                             max_new_tokens=10, do_sample=False, pad_token_id=0,
+                             prefix_allowed_tokens_fn=lambda batch, seen: allowed)
+    expected = out[0, len(ids):].tolist()
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0,
+                                     extra_body={"allowed_token_ids": allowed,
+                                                 "return_token_ids": True})
+    assert resp.choices[0].token_ids == expected
+    sampled = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=12, temperature=1.5, seed=3, logprobs=True,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert set(sampled.choices[0].token_ids) <= set(allowed)
+    llm = LLM(model_path, **ENGINE_ARGS)
+    offline = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=10, allowed_token_ids=allowed), use_tqdm=False)
+    assert offline[0].outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match=r"allowed_token_ids names token 49152, outside the vocab"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[49152]), use_tqdm=False)
+
+
+def test_bad_words_reach_the_engine(client, model_path, tokenizer):
+    """bad_words over HTTP gives what the engine gives offline (held to transformers in
+    test_bad_words.py), and a bad list is a 400 naming the field."""
+    ids = tokenizer.encode("The capital of France is")
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    word = plain.choices[0].text.split()[0]
+    llm = LLM(model_path, **ENGINE_ARGS)
+    offline = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]), use_tqdm=False)[0]
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert resp.choices[0].text == offline.outputs[0].text != plain.choices[0].text
+    e = bad_request(client.completions.create, prompt="x", max_tokens=2,
+                    extra_body={"bad_words": [" "]})
+    assert e.body["param"] == "bad_words" and "non-blank strings" in e.message
+
+
+@pytest.mark.parametrize("allowed, message", [
+    ([49152], "allowed_token_ids names token 49152, outside the vocabulary [0, 49152)"),
+    ([], "allowed_token_ids must be a non-empty list of token ids >= 0 or None"),
+    ([-1], "allowed_token_ids must be a non-empty list of token ids >= 0 or None, holding -1"),
+])
+def test_bad_allowed_token_ids_are_a_400_naming_them(client, allowed, message):
+    e = bad_request(client.completions.create, prompt="x", max_tokens=2,
+                    extra_body={"allowed_token_ids": allowed})
+    assert message in e.message and e.body["param"] == "allowed_token_ids", e.body
+
+
+# -- truncate_prompt_tokens -----------------------------------------------------------------------
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model_path, tokenizer, reference):
+    """vLLM's left truncation: the output is transformers' on the last k tokens, and the
+    response reports (and echoes) the prompt that ran."""
+    ids = tokenizer.encode("One two three four five six seven eight nine ten eleven twelve")
+    kept = ids[-5:]
+    expected = reference(model_path).greedy(kept, 6)
+    resp = client.completions.create(
+        model=MODEL, prompt=tokenizer.decode(ids), max_tokens=6, temperature=0, echo=True,
+        extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True, "ignore_eos": True,
+                    "add_special_tokens": False})
+    choice = resp.choices[0]
+    assert choice.prompt_token_ids == kept and choice.token_ids == expected
+    assert resp.usage.prompt_tokens == 5
+    assert choice.text.startswith(tokenizer.decode(kept))
+    chat = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=2, temperature=0,
+        extra_body={"truncate_prompt_tokens": 4, "return_token_ids": True})
+    assert chat.prompt_token_ids == template_ids(tokenizer, ASK)[-4:]
+    # -1: the model's context; a prompt within it is whole.
+    whole = client.completions.create(model=MODEL, prompt=kept, max_tokens=1, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 5
+    llm = LLM(model_path, **ENGINE_ARGS)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == kept and out.outputs[0].token_ids == expected
+
+
+# -- vLLM's streaming and logprob options ---------------------------------------------------------
+def test_continuous_usage_stats_count_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for call, kwargs in ((client.completions.create, {"prompt": "Once upon a time"}),
+                         (client.chat.completions.create, {"messages": ASK})):
+        chunks = list(call(model=MODEL, max_tokens=6, temperature=0, stream=True,
+                           stream_options=options, **kwargs,
+                           extra_body={"ignore_eos": True, "return_token_ids": True}))
+        *parts, last = chunks
+        so_far = 0
+        for chunk in parts:
+            so_far += len(chunk.choices[0].token_ids or [])   # none in chat's role chunk
+            assert chunk.usage.completion_tokens == so_far and chunk.usage.prompt_tokens == last.usage.prompt_tokens
+            assert chunk.usage.total_tokens == so_far + chunk.usage.prompt_tokens
+        assert not last.choices and last.usage.completion_tokens == so_far == 6
+    # As vLLM's: continuous_usage_stats alone means include_usage too; an explicit false, none.
+    alone = list(client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in alone) and not alone[-1].choices
+    off = list(client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                                         stream_options={"continuous_usage_stats": True,
+                                                         "include_usage": False}))
+    assert all(c.usage is None and c.choices for c in off)
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
+    ask = dict(model=MODEL, max_tokens=5, temperature=0)
+    named = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    plain = client.completions.create(prompt="Once upon a time", logprobs=2, **ask)
+    done = client.completions.create(prompt="Once upon a time", logprobs=2, extra_body=named, **ask)
+    ids = done.choices[0].token_ids
+    lp, plain_lp = done.choices[0].logprobs, plain.choices[0].logprobs
+    assert done.choices[0].text == plain.choices[0].text
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert lp.token_logprobs == plain_lp.token_logprobs and lp.text_offset == plain_lp.text_offset
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    chat = client.chat.completions.create(messages=ASK, logprobs=True, top_logprobs=2,
+                                          extra_body=named, **ask).choices[0]
+    assert [c.token for c in chat.logprobs.content] == [f"token_id:{t}" for t in chat.token_ids]
+    assert all(t.token.startswith("token_id:") and t.bytes == list(t.token.encode())
+               for c in chat.logprobs.content for t in c.top_logprobs)
+    # Streamed completions keep their text offsets.
+    streamed = client.completions.create(prompt="Once upon a time", logprobs=2, stream=True,
+                                         extra_body=named, **ask)
+    offsets = [o for chunk in streamed for o in chunk.choices[0].logprobs.text_offset]
+    assert offsets == plain_lp.text_offset
+
+
 # -- the chat template's options -----------------------------------------------------------------
 def template_ids(tokenizer, messages: list[dict], **kwargs: Any) -> list[int]:
     kwargs.setdefault("add_generation_prompt", True)
@@ -313,8 +448,10 @@ def test_openai_fields_without_effect_are_accepted(client):
      "`use_beam_search` is not supported by treadle (only null or false)"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
      "stream_options.x", "unknown field `stream_options.x`"),
-    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens",
+    ("/v1/completions", {"prompt": "x", "logits_processors": ["f"]}, "logits_processors",
      "not supported"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be -1 (the model's context), an integer >= 1 or None, got 0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "nmae": "a"}]},
      "messages.0.nmae", "unknown field `messages.0.nmae`"),
     ("/v1/chat/completions", {"messages": ASK, "functions": [{"name": "f"}]}, "functions",

@@ -3,8 +3,9 @@ embedded SmolLM2-135M-Instruct, driven by the unmodified openai SDK (its streami
 assembles the tool-call deltas, so they must arrive as OpenAI sends them). The server splits
 replies with the qwen3 reasoning parser, thinking off by default (its chat template, SmolLM2's
 with Qwen3's enable_thinking switch, and --default-chat-template-kwargs); SmolLM2 does not
-think, so a reply that does is forced with a choice constraint, and its reasoning must come
-apart from its answer, its tool calls and its logprobs."""
+think, so a reply that does is forced with a choice constraint (which binds from the first
+token, as the prompt has ended the reasoning), and its reasoning must come apart from its
+answer, its tool calls and its logprobs."""
 
 from __future__ import annotations
 
@@ -33,16 +34,22 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "required": ["zone"], "properties": {
         "zone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+THINKING_OFF = ("{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+                "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}")
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
+def template(smollm2_path) -> str:
+    """SmolLM2's, with Qwen3's switch: thinking off, the prompt ends the (empty) reasoning."""
+    return load_tokenizer(prepare_model(smollm2_path)).chat_template + THINKING_OFF
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, template, tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
-    template = folder / "template.jinja"   # SmolLM2's, reading Qwen3's switch (to no effect)
-    template.write_text("{% if enable_thinking is defined %}{% endif %}"
-                        + load_tokenizer(prepare_model(smollm2_path)).chat_template)
+    (folder / "template.jinja").write_text(template)
     srv = Server(smollm2_path, folder, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                 "--reasoning-parser", "qwen3", "--chat-template", str(template),
+                 "--reasoning-parser", "qwen3", "--chat-template", str(folder / "template.jinja"),
                  "--default-chat-template-kwargs", '{"enable_thinking": false}')
     yield srv
     # No block may be held by any request, whatever the tests sent.
@@ -60,7 +67,7 @@ def offline(smollm2_path) -> LLM:
     return LLM(smollm2_path, **ENGINE_ARGS)
 
 
-def test_json_schema_response_format_equals_offline(client, offline):
+def test_json_schema_response_format_equals_offline(client, offline, template):
     resp = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], temperature=0,
         max_tokens=60, response_format={"type": "json_schema", "json_schema": {
@@ -69,7 +76,8 @@ def test_json_schema_response_format_equals_offline(client, offline):
     jsonschema.validate(json.loads(text), PERSON)
     assert resp.choices[0].finish_reason == "stop"
     want = offline.chat([{"role": "user", "content": "Describe a person."}], SamplingParams(
-        temperature=0, max_tokens=60, structured_outputs={"json": PERSON}), use_tqdm=False)
+        temperature=0, max_tokens=60, structured_outputs={"json": PERSON}), use_tqdm=False,
+        chat_template=template, chat_template_kwargs={"enable_thinking": False})
     assert text == want[0].outputs[0].text
 
 
@@ -296,15 +304,43 @@ def test_reasoning_comes_apart_from_the_answer(client):
     assert plain.content == "Sunny, I think.</think>" and plain.reasoning is None
 
 
-def test_enable_thinking_switches_the_reasoning_on(client):
+def test_enable_thinking_switches_the_reasoning_on(client, offline):
     """With thinking on (qwen3's default, turned off by this server's default variables), a
-    reply is reasoning from its first token, up to a </think> this model never writes."""
+    reply is reasoning from its first token, up to a </think> this model never writes; a
+    grammar waits for that </think>, so a constrained reply reasons freely, token for token."""
     ask = {"model": MODEL, "messages": ASK, "max_tokens": 6, "temperature": 0}
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
     off = client.chat.completions.create(**ask).choices[0].message
-    on = client.chat.completions.create(
-        **ask, extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
+    on = client.chat.completions.create(**ask, extra_body=thinking).choices[0].message
     assert off.reasoning is None and off.content
-    assert on.content is None and on.reasoning == off.content
+    tokenizer = offline.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    free = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert on.content is None and on.reasoning == free[0].outputs[0].text
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    waiting = client.chat.completions.create(**ask, extra_body=thinking, response_format=schema)
+    assert waiting.choices[0].message.reasoning == on.reasoning
+    assert waiting.choices[0].message.content is None
+    # A named tool's grammar waits too: no call, whole or streamed, from a thought cut short.
+    named = dict(ask, extra_body=thinking, tools=[WEATHER],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**named).choices[0]
+    assert whole.message.reasoning == on.reasoning and not whole.message.tool_calls
+    assert whole.finish_reason == "length"
+    chunks = [c for chunk in client.chat.completions.create(**named, stream=True)
+              for c in chunk.choices]
+    assert not any(c.delta.tool_calls for c in chunks)
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == on.reasoning
+    assert chunks[-1].finish_reason == "length"
+    # vllm_xargs {"reasoning": true} says the reply starts inside the reasoning, thinking off
+    # or not: the grammar waits, and the text is reasoning.
+    told = client.chat.completions.create(**ask, response_format=schema,
+                                          extra_body={"vllm_xargs": {"reasoning": True}})
+    assert told.choices[0].message.reasoning == off.content
+    assert told.choices[0].message.content is None
+    # Thinking off, the prompt has ended the reasoning: the grammar binds from the first token.
+    bound = client.chat.completions.create(**{**ask, "max_tokens": 60}, response_format=schema)
+    jsonschema.validate(json.loads(bound.choices[0].message.content), PERSON)
 
 
 def test_tool_calls_are_found_past_the_reasoning(client):

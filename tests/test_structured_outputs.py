@@ -27,6 +27,7 @@ from treadle.request import Request
 from treadle.structured_output.registry import get_backend
 from treadle.worker.deferred_step import DeferredStep
 
+from tests.deferred import defer_and_record, num_deferred
 from tests.test_grammar_gate import GATE_LOG, slow_schema
 
 PERSON = {"type": "object",
@@ -136,12 +137,7 @@ def test_greedy_constrained_output_equals_transformers(name, engine_args, eviden
                                                        prompts, reference):
     with LLM(model_path, **{"max_model_len": 256, "block_size": 16, "num_kv_blocks": 64,
                             **engine_args}) as llm:
-        deferred = []
-        if evidence == "deferred":
-            runner = llm.engine.core.executor.worker.runner
-            assert runner.allow_deferred_steps()
-            execute = runner.execute_model
-            runner.execute_model = lambda so: deferred.append(execute(so)) or deferred[-1]
+        deferred = defer_and_record(llm) if evidence == "deferred" else []
         _assert_equal_to_transformers(llm, reference, model_path, prompts)
         stats = llm.engine.core.get_stats()
     if evidence == "preemptions":
@@ -150,7 +146,7 @@ def test_greedy_constrained_output_equals_transformers(name, engine_args, eviden
         assert stats.spec_decoding.num_draft_tokens > 0
     elif evidence == "deferred":
         # Every step that sampled deferred its tokens.
-        assert sum(isinstance(out, DeferredStep) for out in deferred) > 30
+        assert num_deferred(deferred) > 30
         assert not any(any(out.sampled_token_ids) for out in deferred if not isinstance(out, DeferredStep))
 
 

@@ -16,6 +16,7 @@ from treadle.core.kv_cache_groups import KVCacheGroups, kv_cache_groups, one_gro
 from treadle.attention.backend import check_attention_backend
 from treadle.executor.registry import EXECUTORS
 from treadle.models.generation_config import GenerationDefaults, load_generation_defaults
+from treadle.structured_output.reasoning import check_reasoning_parser
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,10 @@ class StructuredOutputsConfig:
     """`structured_outputs_config={"backend": "xgrammar" | "guidance"}`, as in vLLM."""
 
     backend: str = "xgrammar"
+    # With a reasoning parser, a grammar binds once the output's reasoning has ended
+    # (structured_output/reasoning.py); with enable_in_reasoning, from the first token.
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
     # A grammar not compiled within this many seconds ends its request (0: no limit). vLLM has
     # VLLM_REGEX_COMPILATION_TIMEOUT_S (5 s, regexes only); here every kind, with room for a
     # slow CPU: a 2000-property JSON schema takes 5.5 s on a shared Xeon core.
@@ -195,6 +200,12 @@ class StructuredOutputsConfig:
 
         config = cls(**_json_fields("structured_outputs_config", spec, cls))
         check_backend(config.backend)   # an unknown name: ValueError
+        if config.reasoning_parser is not None:
+            check_reasoning_parser(config.reasoning_parser,
+                                   "structured_outputs_config.reasoning_parser")
+        if not isinstance(config.enable_in_reasoning, bool):
+            raise ValueError(f"structured_outputs_config.enable_in_reasoning must be true or "
+                             f"false, got {config.enable_in_reasoning!r}")
         check_seconds("structured_outputs_config.compilation_timeout_s",
                          config.compilation_timeout_s, zero_ok=True, zero_means="0: no limit")
         return config
@@ -313,6 +324,8 @@ class EngineArgs:
     kv_offloading_size: float | None = None   # GiB of host memory for KV (OffloadingConnector)
     weight_transfer_config: dict[str, Any] | str | None = None
     structured_outputs_config: dict[str, Any] | str | None = None
+    # "deepseek_r1" | "qwen3": grammars bind after the reasoning (structured_outputs_config's).
+    reasoning_parser: str | None = None
     seed: int = 0
     device: str | None = None
     attention_backend: str | None = None   # "cpu" | "torch" | "triton"; None: best for the device
@@ -343,7 +356,7 @@ class EngineArgs:
         weight_transfer = (WeightTransferConfig.from_dict(self.weight_transfer_config)
                            if self.weight_transfer_config is not None else None)
         parallel = self._parallel_config()
-        structured = StructuredOutputsConfig.from_dict(self.structured_outputs_config or {})
+        structured = self._structured_outputs_config()
         device = self.device or _default_device()
         _check_device(device)
         if weight_transfer is not None:
@@ -434,6 +447,18 @@ class EngineArgs:
                              enforce_eager=self.enforce_eager,
                              speculative=spec_cfg, kv_transfer=kv_transfer, parallel=parallel,
                              structured_outputs=structured, weight_transfer=weight_transfer)
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        spec = self.structured_outputs_config or {}
+        if self.reasoning_parser is not None:   # vLLM's flag, the config's key
+            check_reasoning_parser(self.reasoning_parser, "reasoning_parser")
+            spec = json_dict("structured_outputs_config", spec)
+            if spec.get("reasoning_parser", self.reasoning_parser) != self.reasoning_parser:
+                raise ValueError(f"reasoning_parser is {self.reasoning_parser!r} but "
+                                 f"structured_outputs_config.reasoning_parser is "
+                                 f"{spec['reasoning_parser']!r}: give one")
+            spec = {**spec, "reasoning_parser": self.reasoning_parser}
+        return StructuredOutputsConfig.from_dict(spec)
 
     def _parallel_config(self) -> ParallelConfig:
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)

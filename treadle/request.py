@@ -111,6 +111,9 @@ class Request:
         # Whether its KV takes LongRoPE's long factors (models/rope.py): set by the scheduler
         # when it starts, or restarts, past the model's original context; never unset.
         self.long_rope = False
+        # The tokens that end its reasoning, which its grammar waits for before it binds
+        # (structured_output/reasoning.py); empty: the grammar binds from the first token.
+        self.grammar_waits_for: tuple[int, ...] = ()
 
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = []

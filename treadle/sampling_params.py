@@ -10,7 +10,7 @@ import copy
 import enum
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from treadle.structured_output.params import StructuredOutputsParams
@@ -74,12 +74,22 @@ class SamplingParams:
     # Token id -> a value in [-100, 100] added to that token's logit before penalties and
     # temperature (OpenAI's and vLLM's logit_bias); "123" keys, as JSON sends them, are read.
     logit_bias: dict[int, float] | None = None
+    # Keep only the prompt's last k tokens (-1: the last max_model_len), as vLLM's.
+    truncate_prompt_tokens: int | None = None
+    # Words never to write, as vLLM's bad_words: a word's last token is banned wherever the
+    # output ends with the rest of it (a one-token word everywhere); each is looked for as given
+    # and with a leading space. The engine tokenizes them into `bad_words_token_ids`.
+    bad_words: list[str] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
     # A JSON schema, regex, choice or grammar the output must follow (a dict is converted).
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # Free-form arguments for extensions, as in vLLM; a KV connector reads
     # extra_args["kv_transfer_params"] (what the prefill side handed back, for P/D), and
     # extra_args["speculative_decoding"] = False turns drafts off for this request.
     extra_args: dict[str, Any] | None = None
+    # Set by the engine from bad_words and its tokenizer (InputProcessor.make_requests).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._normalise_and_validate()
@@ -120,6 +130,21 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {_describe(getattr(self, name))}")
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
+        if self.truncate_prompt_tokens is not None and not (
+                _is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens == -1):
+            self.truncate_prompt_tokens = self._int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1,
+                rule="-1 (the model's context), an integer >= 1 or None")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._allowed_token_ids(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings or None, got "
+                                 f"{_describe(self.bad_words)}")
+            self.bad_words = list(self.bad_words)
         self.output_kind = self._output_kind(self.output_kind)
         self.logit_bias = self._logit_bias(self.logit_bias)
         self._structured_outputs()
@@ -180,6 +205,16 @@ class SamplingParams:
         for t in ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {_describe(t)}")
+        return [int(t) for t in ids]
+
+    @staticmethod
+    def _allowed_token_ids(ids: Any) -> list[int]:
+        rule = "a non-empty list of token ids >= 0 or None"
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError(f"allowed_token_ids must be {rule}, got {_describe(ids)}")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"allowed_token_ids must be {rule}, holding {_describe(t)}")
         return [int(t) for t in ids]
 
     @staticmethod

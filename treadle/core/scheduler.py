@@ -246,7 +246,7 @@ class Scheduler:
                 block_ids=self.kv_cache.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 generator_seed=self._generator_seeds[r.request_id], eos_token_id=r.eos_token_id,
-                long_rope=r.long_rope)
+                long_rope=r.long_rope, grammar_waits_for=r.grammar_waits_for)
             for r in scheduled_new
         ]
         cached = CachedRequestData()

@@ -24,6 +24,7 @@ class NewRequestData:
     generator_seed: int           # per-request RNG seed; the same sample whatever the batch
     eos_token_id: int | None = None
     long_rope: bool = False       # its RoPE takes LongRoPE's long factors (Request.long_rope)
+    grammar_waits_for: tuple[int, ...] = ()   # Request.grammar_waits_for
 
 
 @dataclass

@@ -109,7 +109,9 @@ class AsyncLLM:
             self._check_new_request(request_id)   # a pause or the same id may have come meanwhile
         else:
             text, ids = self.input_processor.tokenize(prompt)
-        requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt)
+        text, ids = self.input_processor.truncate(text, ids, params)
+        requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt,
+                                                      prompt_text=text)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self.output_processor.add_request(request_id, text, ids, params,

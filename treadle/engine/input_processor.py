@@ -8,6 +8,7 @@ from treadle.config import TreadleConfig
 from treadle.models.loader import default_eos_token_id
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
+from treadle.structured_output.reasoning import prompt_opens_reasoning, reasoning_end_token_ids
 from treadle.structured_output.registry import backend_class
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -25,6 +26,21 @@ class InputProcessor:
         # stops at them too, as stop tokens (unless ignore_eos), as in vLLM.
         self.more_eos_token_ids = [t for t in config.model.generation.eos_token_ids
                                    if t != self.eos_token_id and t < self.vocab_size]
+        structured = config.structured_outputs
+        # The tokens a grammar waits for before it binds (empty: it binds from the first token).
+        self.reasoning_end: tuple[int, ...] = ()
+        if structured.reasoning_parser is not None and not structured.enable_in_reasoning:
+            self.reasoning_end = reasoning_end_token_ids(tokenizer, structured.reasoning_parser)
+
+    def grammar_waits(self, prompt: str, reasoning: bool | None = None) -> bool:
+        """Whether a grammar on this prompt's output waits for the end of the reasoning: where
+        the output starts inside it, as `reasoning` says (a request's extra_args["reasoning"]),
+        or if that is unset, as the prompt's last tag says."""
+        if not self.reasoning_end:
+            return False
+        if reasoning is None:
+            reasoning = prompt_opens_reasoning(prompt, self.config.structured_outputs.reasoning_parser)
+        return bool(reasoning)
 
     @staticmethod
     def needs_tokenizer(prompt: PromptType) -> bool:
@@ -65,6 +81,28 @@ class InputProcessor:
                     f"prompt_token_ids contains {t!r}, outside the vocabulary [0, {self.vocab_size})")
         return text, ids
 
+    def truncate(self, text: str | None, ids: list[int], params: SamplingParams
+                 ) -> tuple[str | None, list[int]]:
+        """The prompt cut to its last truncate_prompt_tokens tokens (-1: max_model_len); its
+        text is then no longer the prompt's (None: decoded where needed)."""
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.config.model.max_model_len
+        if keep is None or len(ids) <= keep:
+            return text, ids
+        return None, ids[-keep:]
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as written (leading spaces dropped) and, where they differ, with a
+        leading space, as a word inside a sentence is written."""
+        out: list[list[int]] = []
+        for word in words:
+            for spelling in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(spelling, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -73,9 +111,21 @@ class InputProcessor:
         for t in params.stop_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
+        for t in params.allowed_token_ids or ():
+            if t >= self.vocab_size:
+                raise ValueError(f"allowed_token_ids names token {t}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        for word in params.bad_words or ():
+            if any(t >= self.vocab_size for ids in self.bad_words_token_ids([word]) for t in ids):
+                raise ValueError(f"bad_words: {word!r} has tokens outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         for t in params.logit_bias or ():
             if t >= self.vocab_size:
                 raise ValueError(f"logit_bias names token {t}, outside the vocabulary [0, {self.vocab_size})")
+        reasoning = (params.extra_args or {}).get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, bool):
+            raise ValueError(f"extra_args['reasoning'] must be true or false (whether the output "
+                             f"starts inside the reasoning), got {reasoning!r}")
         if params.structured_outputs is not None:   # the engine's message, before the engine
             backend_class(self.config.structured_outputs.backend).validate(params.structured_outputs)
         max_len = self.config.model.max_model_len
@@ -95,13 +145,24 @@ class InputProcessor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       priority: int = 0, cache_salt: str | None = None,
-                      arrival_time: float | None = None) -> list[Request]:
-        """One engine-core request per sample; with n > 1 they share the prompt's cached blocks."""
+                      arrival_time: float | None = None,
+                      prompt_text: str | None = None) -> list[Request]:
+        """One engine-core request per sample; with n > 1 they share the prompt's cached blocks.
+        `prompt_text`: the prompt's text, if at hand (else decoded where needed)."""
         self.validate_params(params, len(prompt_token_ids))
+        grammar_waits_for: tuple[int, ...] = ()
+        if params.structured_outputs is not None and self.reasoning_end:
+            if prompt_text is None:
+                prompt_text = self.tokenizer.decode(prompt_token_ids)
+            if self.grammar_waits(prompt_text, (params.extra_args or {}).get("reasoning")):
+                grammar_waits_for = self.reasoning_end
         missing = [t for t in self.more_eos_token_ids if t not in params.stop_token_ids]
-        if missing and not params.ignore_eos:
+        if (missing and not params.ignore_eos) or params.bad_words:
             params = params.clone()
+        if missing and not params.ignore_eos:
             params.stop_token_ids = params.stop_token_ids + missing
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         # No max_tokens: the room left in the context, as in vLLM, or the model's
         # max_new_tokens if that is less.
         max_tokens = params.max_tokens
@@ -123,5 +184,6 @@ class InputProcessor:
                           arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
                           block_size=self.config.cache.block_size)
             req.max_tokens = max_tokens
+            req.grammar_waits_for = grammar_waits_for
             requests.append(req)
         return requests

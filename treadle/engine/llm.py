@@ -22,6 +22,13 @@ logger = logging.getLogger(__name__)
 ChatMessages = list[dict[str, Any]]
 
 
+# apply_chat_template's own arguments that decide what comes back; chat_template_kwargs set the
+# template's variables, not these.
+CHAT_RENDER_ARGUMENTS = frozenset({
+    "conversation", "tools", "chat_template", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class LLM:
     """Generate text for batches of prompts: `LLM(model=None, **engine_args)`.
 
@@ -91,14 +98,22 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `chat_template_kwargs`: more variables for the template (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
+        clash = sorted(set(chat_template_kwargs or ()) & (
+            CHAT_RENDER_ARGUMENTS | {"messages", "add_generation_prompt"}))
+        if clash:
+            raise ValueError(f"chat_template_kwargs must not set {clash}: they are chat()'s own "
+                             f"arguments")
         prompts = []
         for conv in conversations:
             text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **(chat_template_kwargs or {}))
             # The template already holds the special tokens; encoding must not add more.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
@@ -158,7 +173,7 @@ class LLM:
         processor = self.engine.input_processor
         tokenized = []
         for prompt, params in zip(prompts, params_list):
-            text, ids = processor.tokenize(prompt)
+            text, ids = processor.truncate(*processor.tokenize(prompt), params)
             processor.validate_params(params, len(ids))
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             if salt is not None and not isinstance(salt, str):

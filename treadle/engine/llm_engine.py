@@ -31,7 +31,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None) -> None:
         text, ids = self.input_processor.tokenize(prompt)
-        requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt)
+        text, ids = self.input_processor.truncate(text, ids, params)
+        requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt,
+                                                      prompt_text=text)
         # The output processor refuses an id in use (its samples' ids too) before the core sees it.
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in requests])
         try:

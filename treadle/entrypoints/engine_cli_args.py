@@ -85,8 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     group.add_argument("--override-generation-config", default=None, metavar="JSON",
                        help='generation-config keys on top of it, e.g. \'{"temperature": 0.5}\'')
     group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                       help='the grammar engine for structured outputs: \'{"backend": '
-                            '"xgrammar"}\' (default) or "guidance"')
+                       help='structured outputs: \'{"backend": "xgrammar"}\' (default) or '
+                            '"guidance", "compilation_timeout_s", "reasoning_parser", '
+                            '"enable_in_reasoning"')
 
 
 def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:

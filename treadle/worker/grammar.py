@@ -6,6 +6,10 @@ here, with tokens this runner has accepted (samples, and drafts that survived ve
 The runner holds every token the moment it is sampled, before the engine core sees it, so no
 mask is ever built without a token that precedes it: "in flight" means on its way to the
 engine core, never on its way to this sampler. Drafts are matched tentatively and rolled back.
+
+A grammar that waits for the end of the reasoning (structured_output/reasoning.py) sits in its
+slot as an `AfterReasoning`: its rows are free, its drafts stop short of the end tag, and the
+token that completes the tag puts the matcher itself in the slot, so the next row is masked.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from treadle.core.scheduler_output import NewRequestData
 from treadle.device_copy import to_device
 from treadle.structured_output.backend import GrammarBackend, Matcher
 from treadle.structured_output.compile_ahead import CompileAhead
+from treadle.structured_output.reasoning import AfterReasoning
 from treadle.structured_output.registry import get_backend
 from treadle.worker.request_state import RequestSlots
 
@@ -49,15 +54,24 @@ class GrammarMatchers:
         stop_ids = ([new.eos_token_id] if new.eos_token_id is not None else []) + \
             list(new.sampling_params.stop_token_ids)
         matcher = self.backend.matcher(self.ahead.compiled(params), stop_ids)
-        for t in new.token_ids[new.num_prompt_tokens:]:
+        output = [int(t) for t in new.token_ids[new.num_prompt_tokens:]]
+        if new.grammar_waits_for:
+            waiting = AfterReasoning(matcher, new.grammar_waits_for)
+            at = waiting.feed(output)
+            if at is None:
+                self.slots.grammar[slot] = waiting
+                return
+            output = output[at + 1:]
+        for t in output:
             # Not reachable from a request: a matcher accepted each of these tokens before (a
             # refused token is never output, accept() ends its request), so a replay cannot fail.
-            accepted = matcher.accept(int(t))
+            accepted = matcher.accept(t)
             assert accepted, f"{new.req_id}: its own output token {t} breaks its grammar"
         self.slots.grammar[slot] = matcher
 
     def constrains(self, slot_ids: np.ndarray) -> bool:
-        """Whether any of these slots samples under a grammar."""
+        """Whether any of these slots samples under a grammar, or one waiting for the end of
+        the reasoning (whose next row is masked if the last token ended it)."""
         return any(self.slots.grammar[int(s)] is not None for s in slot_ids)
 
     def bitmask(self, slot_ids: np.ndarray, drafts: list[list[int]]
@@ -66,6 +80,7 @@ class GrammarMatchers:
         covers); None when no row is constrained. Rows past a request's first draft the grammar
         refuses stay free: verification stops at that draft, so their samples are never kept."""
         matchers = [self.slots.grammar[s] for s in slot_ids]
+        matchers = [None if isinstance(m, AfterReasoning) else m for m in matchers]
         if all(m is None for m in matchers):
             return None
         bitmask = self.backend.allocate_bitmask(sum(len(d) + 1 for d in drafts))
@@ -94,6 +109,11 @@ class GrammarMatchers:
         error), and the slot is constrained no more, as the scheduler drops its tokens from
         now on."""
         matcher = self.slots.grammar[slot]
+        if isinstance(matcher, AfterReasoning):
+            if (at := matcher.feed(token_ids)) is None:
+                return None
+            matcher = self.slots.grammar[slot] = matcher.matcher
+            token_ids, position = token_ids[at + 1:], position + at + 1
         if matcher is None or matcher.is_terminated():
             return None
         for i, t in enumerate(token_ids):
@@ -119,6 +139,11 @@ class GrammarMatchers:
         matcher = self.slots.grammar[slot]
         if matcher is None or not drafts:
             return drafts
+        if isinstance(matcher, AfterReasoning):
+            # Free up to the end tag; the row after the draft that completes it would need the
+            # grammar's mask, so that draft is not proposed.
+            at = matcher.completed_at(drafts)
+            return drafts if at is None else drafts[:at]
         return drafts[:matcher.valid_prefix(drafts)]
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from treadle.core.scheduler_output import NewRequestData
 from treadle.sampling_params import SamplingParams
 from treadle.structured_output.backend import Matcher
+from treadle.structured_output.reasoning import AfterReasoning
 
 # A token of a deferred step (worker/deferred_step.py), still on the device, in its slot: never a
 # token id, so an input row or a penalty count that reads it unresolved fails at once instead of
@@ -34,8 +35,9 @@ class RequestSlots:
         self.seeds = [0] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
-        # Grammar matchers of constrained requests (worker/grammar.py sets them after add).
-        self.grammar: list[Matcher | None] = [None] * max_num_reqs
+        # Grammar matchers of constrained requests, or AfterReasoning while one waits for the
+        # end of the reasoning (worker/grammar.py sets them after add).
+        self.grammar: list[Matcher | AfterReasoning | None] = [None] * max_num_reqs
         self.added_at_step = np.zeros(max_num_reqs, dtype=np.int64)   # when the tenant came
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))

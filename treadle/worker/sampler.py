@@ -1,5 +1,6 @@
-"""Turns logits into tokens: logit_bias, min_tokens, penalties, grammar masks, temperature,
-top-k/top-p/min-p, logprobs (of the raw logits, before any of these, as vLLM's default).
+"""Turns logits into tokens: allowed_token_ids, bad_words, logit_bias, min_tokens, penalties,
+grammar masks, temperature, top-k/top-p/min-p, logprobs (of the raw logits, before any of these,
+as vLLM's default).
 
 Every step that touches the [rows, vocab] logits is one batched tensor operation over the rows
 that need it; Python walks the rows only to build small index and parameter tensors from their
@@ -128,7 +129,8 @@ def _argmax_only(row: SamplingRow) -> bool:
     penalty) or reads its log-probabilities."""
     p = row.params
     return (p.temperature < 1e-5 and p.logprobs is None and len(row.output_ids) >= p.min_tokens
-            and not has_penalties(p) and not p.logit_bias)
+            and not has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
+            and not p.bad_words_token_ids)
 
 
 def _put(logits: torch.Tensor, row_ids: list[int], token_ids: list[int],
@@ -141,6 +143,64 @@ def _put(logits: torch.Tensor, row_ids: list[int], token_ids: list[int],
         values = [values] * len(row_ids)
     index = (to_device(row_ids, device), to_device(token_ids, device, torch.int64))
     logits.index_put_(index, to_device(values, device, logits.dtype), accumulate=accumulate)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Sets every token outside a row's allowed_token_ids to -inf, in place, for the rows that
+    name them, together: each gets a row of -inf with 0 at its allowed tokens added."""
+    picked = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not picked:
+        return
+    device = logits.device
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for k, i in enumerate(picked):
+        allowed = rows[i].params.allowed_token_ids
+        row_ids += [k] * len(allowed)
+        token_ids += allowed
+    outside = torch.full((len(picked), logits.shape[-1]), float("-inf"), device=device)
+    _put(outside, row_ids, token_ids, 0.0, accumulate=False)
+    index = to_device(picked, device)
+    logits[index] = logits[index] + outside
+
+
+def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow],
+                    deferred: DeviceTokens | None = None) -> None:
+    """Bans each bad word's last token, in place, in the rows whose output ends with the rest
+    of the word (a one-token word in every row that has it), all in one masked write. Where the
+    output's last token is still on the device (`deferred`'s), its part of the check is made
+    there, with no wait for it."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    # (pair index, slot, position, the token the word needs there) for checks on the device
+    on_device: list[tuple[int, int, int, int]] = []
+    for i, row in enumerate(rows):
+        out = row.output_ids
+        for word in row.params.bad_words_token_ids or ():
+            rest = word[:-1]
+            if len(rest) > len(out):
+                continue
+            tail = out[len(out) - len(rest):]
+            if any(t != PLACEHOLDER and t != w for t, w in zip(tail, rest)):
+                continue
+            if rest and tail[-1] == PLACEHOLDER:
+                on_device.append((len(row_ids), row.slot, len(row.prompt_ids) + len(out) - 1,
+                                  rest[-1]))
+            row_ids.append(i)
+            token_ids.append(word[-1])
+    if not row_ids:
+        return
+    device = logits.device
+    index = (to_device(row_ids, device), to_device(token_ids, device, torch.int64))
+    ban = torch.ones(len(row_ids), dtype=torch.bool, device=device)
+    if on_device:
+        pairs, slot_ids, positions, needed = (np.array(c, dtype=np.int64) for c in zip(*on_device))
+        found = deferred.device_tokens_for(slot_ids, positions) if deferred is not None else None
+        assert found is not None and len(found[0]) == len(pairs), "a deferred token went missing"
+        ban[to_device(pairs[found[0]], device)] = found[1] == to_device(needed[found[0]], device)
+    # A token two words end with is in `index` twice, perhaps banned by one check and not the
+    # other: added, -inf wins whichever is written first.
+    logits.index_put_(index, torch.where(ban, float("-inf"), 0.0), accumulate=True)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -279,8 +339,10 @@ class Sampler:
             raw = logits if len(logprob_rows) == len(rows) else logits[to_device(logprob_rows, device)]
             raw_logprobs = torch.log_softmax(raw, dim=-1)
 
-        # vLLM's order: logit_bias and min_tokens, then penalties, then the grammar, before
-        # temperature and top-k/top-p.
+        # vLLM's order: allowed_token_ids, bad_words, logit_bias and min_tokens, then
+        # penalties, then the grammar, before temperature and top-k/top-p.
+        apply_allowed_token_ids(logits, rows)
+        apply_bad_words(logits, rows, deferred)
         apply_logit_bias(logits, rows)
         apply_min_tokens(logits, rows)
         apply_penalties(logits, rows, deferred)

@@ -7,7 +7,7 @@ import argparse
 import os
 import socket
 
-from treadle.entrypoints.openai.reasoning import reasoning_parser_names
+from treadle.structured_output.reasoning import reasoning_parser_names
 from treadle.entrypoints.openai.tool_parsers import tool_parser_names
 
 # Bodies past this are refused (413) before they are read: parsing and tokenizing a prompt costs
@@ -80,7 +80,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
                    help="how a thinking model's chain of thought is marked in its text: chat "
                         "replies carry it in `reasoning` (and `reasoning_content`), the answer "
-                        "in `content` [default: none]")
+                        "in `content`; grammars bind after it [default: none]")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the chat template to serve with, from a file or given inline, in place "
                         "of the tokenizer's [default: the tokenizer's]")

@@ -69,9 +69,18 @@ def unexpected_field(model: BaseModel, path: str = "") -> tuple[str, str] | None
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: bool | None = None   # unset: false, unless continuous_usage_stats (vLLM's)
     include_obfuscation: bool | None = None   # OpenAI's; there is nothing to obfuscate locally
-    unsupported = {"continuous_usage_stats": (False,)}
+    # vLLM's: every chunk carries the usage so far too.
+    continuous_usage_stats: bool | None = None
+
+    @property
+    def usage_at_the_end(self) -> bool:
+        return bool(self.continuous_usage_stats if self.include_usage is None else self.include_usage)
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return bool(self.continuous_usage_stats) and self.usage_at_the_end
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -112,10 +121,14 @@ class SamplingFields(OpenAIModel):
     # vLLM's: only requests with the same salt share prefix-cache blocks (one per tenant).
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int64] | None = None   # vLLM's: only these may be sampled
+    truncate_prompt_tokens: Int64 | None = None    # vLLM's: the prompt's last k tokens only
+    bad_words: list[str] | None = None             # vLLM's: words never to write
     # For the KV connector (vLLM's field): what a P/D prefill answer handed back.
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's per-request extras, to SamplingParams.extra_args; treadle reads
-    # "speculative_decoding": false (no drafts for this request).
+    # "speculative_decoding": false (no drafts for this request), and "reasoning": true|false
+    # (whether the reply starts inside the reasoning, its grammar binding after it).
     vllm_xargs: dict[str, str | int | float | bool] | None = None
     # Constrained output: OpenAI's response_format, or vLLM's structured_outputs (json, regex,
     # choice, grammar); not both.
@@ -130,12 +143,13 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     # vLLM's: the response carries prompt_token_ids and each choice's token_ids.
     return_token_ids: bool = False
+    # vLLM's: logprobs name their tokens "token_id:{id}" (for tokens that are not whole text).
+    return_tokens_as_token_ids: bool = False
     # vLLM's: the logprob of every prompt token after the first, with the top N (not streamed).
     prompt_logprobs: Int64 | None = None
 
     unsupported = {"use_beam_search": (False,), "length_penalty": (1, 1.0),
-                   "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
-                   "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
+                   "logits_processors": ([],),
                    "request_id": (),
                    "guided_whitespace_pattern": (), "structural_tag": (),
                    "mm_processor_kwargs": ({},)}

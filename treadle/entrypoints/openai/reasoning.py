@@ -10,19 +10,26 @@ name many clients still read).
 
 The output is reasoning from its start (an opening <think> dropped) up to </think>, or to its
 end if it never closes it (cut short while thinking); the answer after </think> is `content`,
-and tool calls are looked for there only. Where thinking is off, or a grammar constrains the
-reply (structured outputs, a forced tool call: it binds from the first token, so the model
-cannot think first), only an output that opens with <think> has reasoning. The whole output
+and tool calls are looked for there only. A grammar (structured outputs, a forced tool call)
+binds after the reasoning too (structured_output/reasoning.py), unless the prompt has ended it
+or the engine applies grammars in the reasoning; where thinking is off, or a grammar binds from
+the first token, only an output that opens with <think> has reasoning. The whole output
 (`split`) and the streamed one (`ReasoningStream`) split alike, however the text is cut into
-deltas: a tag cut between two deltas is held back until it is whole. Unlike vLLM's qwen3
-parser, a <tool_call> does not end unclosed reasoning.
+deltas: a tag cut between two deltas is held back until it is whole. With qwen3, as with
+vLLM's, a <tool_call> ends the reasoning too (Qwen3.5 may call a tool without closing its
+thought); the call is content, where the tool parser finds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+from treadle.structured_output.reasoning import (REASONING_TAGS, check_reasoning_parser,
+                                                 reasoning_parser_names)
+
+START, END = REASONING_TAGS["qwen3"]   # both parsers' tags
+TOOL_CALL = "<tool_call>"
 
 
 @dataclass(frozen=True)
@@ -31,12 +38,24 @@ class ReasoningParser:
     opens_inside: bool
     # Whether enable_thinking=false turns the reasoning off (qwen3's template switch).
     thinking_switch: bool = False
+    # Whether a <tool_call> ends the reasoning (and begins the content).
+    tool_call_ends: bool = False
+    name: str = "deepseek_r1"   # its tags' (structured_output/reasoning.py)
 
     def for_request(self, thinking: bool, constrained: bool) -> ReasoningParser:
         """The parser for one request: `thinking` is its enable_thinking (True if unset);
-        `constrained`: a grammar binds its output from the first token."""
+        `constrained`: a grammar binds its output from the first token (not after the
+        reasoning)."""
         inside = self.opens_inside and not constrained and (thinking or not self.thinking_switch)
-        return ReasoningParser(inside, self.thinking_switch)
+        return dataclasses.replace(self, opens_inside=inside)
+
+    def end_of_reasoning(self, text: str) -> tuple[int, int]:
+        """Where the reasoning in `text` ends, and where the content begins (-1, -1: not in it)."""
+        end = text.find(END)
+        call = text.find(TOOL_CALL) if self.tool_call_ends else -1
+        if call >= 0 and (end < 0 or call < end):
+            return call, call
+        return (end, end + len(END)) if end >= 0 else (-1, -1)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole output as (reasoning, content); None where a part is empty."""
@@ -44,8 +63,10 @@ class ReasoningParser:
             text = text[len(START):]
         elif not self.opens_inside:
             return None, text or None
-        reasoning, _, content = text.partition(END)
-        return reasoning or None, content or None
+        end, content = self.end_of_reasoning(text)
+        if end < 0:
+            return text or None, None
+        return text[:end] or None, text[content:] or None
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
@@ -72,12 +93,13 @@ class ReasoningStream:
             else:
                 self.mode = "reasoning" if self.parser.opens_inside else "content"
         if self.mode == "reasoning":
-            end = text.find(END)
+            end, content = self.parser.end_of_reasoning(text)
             if end < 0:
-                keep = 0 if finished else _tag_prefix_at_end(text, END)
+                tags = (END, TOOL_CALL) if self.parser.tool_call_ends else (END,)
+                keep = 0 if finished else max(_tag_prefix_at_end(text, tag) for tag in tags)
                 self.held = text[len(text) - keep:]
                 return text[:len(text) - keep], ""
-            reasoning, text, self.mode = text[:end], text[end + len(END):], "content"
+            reasoning, text, self.mode = text[:end], text[content:], "content"
         return reasoning, text
 
 
@@ -89,16 +111,12 @@ def _tag_prefix_at_end(text: str, tag: str) -> int:
     return 0
 
 
-_PARSERS = {"deepseek_r1": ReasoningParser(opens_inside=True),
-            "qwen3": ReasoningParser(opens_inside=True, thinking_switch=True)}
-
-
-def reasoning_parser_names() -> list[str]:
-    return sorted(_PARSERS)
+_PARSERS = {"deepseek_r1": ReasoningParser(opens_inside=True, name="deepseek_r1"),
+            "qwen3": ReasoningParser(opens_inside=True, thinking_switch=True, tool_call_ends=True,
+                                     name="qwen3")}
+assert set(_PARSERS) == set(reasoning_parser_names())
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
-    if name not in _PARSERS:
-        raise ValueError(f"reasoning parser must be one of {', '.join(reasoning_parser_names())}; "
-                         f"got {name!r}")
+    check_reasoning_parser(name)
     return _PARSERS[name]

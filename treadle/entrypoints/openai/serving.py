@@ -36,7 +36,8 @@ T = TypeVar("T")
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
                     "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-                    "spaces_between_special_tokens", "logit_bias", "prompt_logprobs")
+                    "spaces_between_special_tokens", "logit_bias", "allowed_token_ids",
+                    "truncate_prompt_tokens", "bad_words", "prompt_logprobs")
 # vLLM's older names for structured_outputs, and the kind each one sets.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}

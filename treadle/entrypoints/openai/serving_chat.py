@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -10,6 +11,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
+from treadle.engine.llm import CHAT_RENDER_ARGUMENTS
 from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from treadle.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
@@ -24,16 +26,10 @@ from treadle.entrypoints.openai.streams import PromptStreams
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_constraint
 from treadle.outputs import RequestOutput
-from treadle.sampling_params import RequestOutputKind
+from treadle.sampling_params import RequestOutputKind, SamplingParams
+from treadle.structured_output.reasoning import prompt_opens_reasoning
 
 logger = logging.getLogger(__name__)
-
-
-# apply_chat_template's own arguments that decide what the server gets back; a client's
-# chat_template_kwargs may set the template's variables, not these.
-_RENDER_ARGUMENTS = frozenset({"conversation", "tools", "chat_template", "tokenize", "padding",
-                               "truncation", "max_length", "return_tensors", "return_dict",
-                               "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class ChatServing:
@@ -68,19 +64,52 @@ class ChatServing:
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
             max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             **overrides)
+        prompt, ids = serving.engine.input_processor.truncate(text, ids, params)
         serving.validate(params, ids)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = None
         if self.reasoning_parser is not None:
             variables = {**serving.default_template_kwargs, **(req.chat_template_kwargs or {})}
-            reasoning = self.reasoning_parser.for_request(
-                thinking=variables.get("enable_thinking", True) is not False,
-                constrained=params.structured_outputs is not None)
+            thinking = variables.get("enable_thinking", True) is not False
+            reasoning = self.reasoning_parser.for_request(thinking, constrained=False)
+            if params.structured_outputs is not None:
+                reasoning = await self._where_the_grammar_binds(req, params, text, thinking,
+                                                                add_generation_prompt)
         render = _Renderer(serving, req, request_id, add_generation_prompt,
                            lambda: ToolCalls(tool_choice, self.tool_parser), reasoning)
-        return await serving.run(raw, request_id, [{"prompt": text, "prompt_token_ids": ids}],
+        return await serving.run(raw, request_id, [{"prompt": prompt, "prompt_token_ids": ids}],
                                  params, req.priority, req.cache_salt, req.stream, render.response,
                                  render.chunks)
+
+
+    async def _where_the_grammar_binds(self, req: ChatCompletionRequest, params: SamplingParams,
+                                       text: str, thinking: bool, add_generation_prompt: bool
+                                       ) -> ReasoningParser:
+        """Tell the engine whether this constrained reply starts inside the reasoning (its
+        grammar then waits for </think>), and return the parser that splits the text where the
+        grammar binds. It starts inside as the generation prompt's last tag says (DeepSeek-R1
+        opens <think> there, Qwen3 with thinking off closes an empty one), or with no tag there
+        as the template's thinking switch says; the conversation before it (earlier turns'
+        thoughts) does not count. vllm_xargs {"reasoning": ...} overrides."""
+        parser = self.reasoning_parser
+        extra = params.extra_args = dict(params.extra_args or {})
+        if "reasoning" not in extra:
+            opens = prompt_opens_reasoning(
+                await self._generation_prompt(req, text) if add_generation_prompt else text,
+                parser.name)
+            extra["reasoning"] = (parser.for_request(thinking, constrained=False).opens_inside
+                                  if opens is None else opens)
+        if self.serving.engine.input_processor.grammar_waits(text, extra["reasoning"]):
+            # Reasoning from the first token to </think> alone, where the grammar wakes: a
+            # <tool_call> before it is still the unconstrained thought.
+            return dataclasses.replace(parser, opens_inside=True, tool_call_ends=False)
+        return parser.for_request(thinking, constrained=True)
+
+    async def _generation_prompt(self, req: ChatCompletionRequest, text: str) -> str:
+        """What the generation prompt adds to the conversation: the start of the reply."""
+        without, _, _ = await encode_messages(self.serving, req.model_copy(
+            update={"add_generation_prompt": False}))
+        return text[len(without):] if text.startswith(without) else text
 
 
 async def encode_messages(serving: OpenAIServing, req: ChatCompletionRequest | TokenizeRequest,
@@ -105,7 +134,7 @@ def check_default_template_kwargs(defaults: dict[str, Any], variables: frozenset
     models that do not think). Returns what is kept."""
     kept = {}
     for key, value in defaults.items():
-        if key in _RENDER_ARGUMENTS or key in ("messages", "add_generation_prompt",
+        if key in CHAT_RENDER_ARGUMENTS or key in ("messages", "add_generation_prompt",
                                                "continue_final_message"):
             raise ValueError(f"--default-chat-template-kwargs may not set `{key}`: it is not a "
                              "template variable")
@@ -131,7 +160,7 @@ def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest, variables: fr
     for key, value in given.items():
         from_request = key == "documents" and req.documents is not None
         param = "documents" if from_request else "chat_template_kwargs"
-        if key in _RENDER_ARGUMENTS:
+        if key in CHAT_RENDER_ARGUMENTS:
             raise OpenAIError(400, f"chat_template_kwargs may not set `{key}`: it is how the "
                                    f"server renders the template, not a template variable",
                               param)
@@ -200,6 +229,8 @@ class _Renderer:
                                                                           content=self.echo))
                              for k in range(self.req.n)])
         first.prompt_token_ids = self._token_ids(firsts[0].prompt_token_ids)
+        if self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk:
+            first.usage = usage(firsts[:1], count_completion=False)   # no token yet
         yield first
         latest = firsts[0]
         if (chunk := self._delta_chunk(progress, tool_calls, reasoning, latest)) is not None:
@@ -208,7 +239,7 @@ class _Renderer:
             latest = out
             if (chunk := self._delta_chunk(progress, tool_calls, reasoning, out)) is not None:
                 yield chunk
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+        if self.req.stream_options is not None and self.req.stream_options.usage_at_the_end:
             yield ChatCompletionChunk(id=self.id, created=self.created,
                                       model=self.serving.model_name, choices=[],
                                       usage=usage([latest]))
@@ -247,6 +278,8 @@ class _Renderer:
             return None
         chunk = self._chunk(choices)
         chunk.weight_version = out.weight_version
+        if self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk:
+            chunk.usage = usage([out])
         return chunk
 
     def _token_ids(self, ids: list[int]) -> list[int] | None:
@@ -261,13 +294,14 @@ class _Renderer:
             return None
         num_top = self.req.top_logprobs or 0
         content = []
+        as_ids = self.req.return_tokens_as_token_ids
         for token_id, entry in zip(token_ids, entries):
-            chosen = entry[token_id]
-            tops = sorted((lp for lp in entry.values()
-                           if lp.rank is not None and lp.rank <= num_top),
-                          key=lambda lp: lp.rank)[:num_top]
+            tops = sorted((item for item in entry.items()
+                           if item[1].rank is not None and item[1].rank <= num_top),
+                          key=lambda item: item[1].rank)[:num_top]
             content.append(ChatLogProbsContent(
-                **_logprob(chosen), top_logprobs=[ChatLogProb(**_logprob(lp)) for lp in tops]))
+                **_logprob(token_id, entry[token_id], as_ids),
+                top_logprobs=[ChatLogProb(**_logprob(t, lp, as_ids)) for t, lp in tops]))
         return ChatLogProbs(content=content)
 
 
@@ -275,7 +309,8 @@ def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called_tools else reason
 
 
-def _logprob(lp) -> dict:
-    token = lp.decoded_token or ""
+def _logprob(token_id: int, lp, as_id: bool = False) -> dict:
+    """One token's entry; `as_id`: named "token_id:{id}" (return_tokens_as_token_ids)."""
+    token = f"token_id:{token_id}" if as_id else lp.decoded_token or ""
     return {"token": token, "logprob": clamp_logprob(lp.logprob),
             "bytes": list(token.encode("utf-8"))}

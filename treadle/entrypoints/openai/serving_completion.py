@@ -53,6 +53,9 @@ class CompletionServing:
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
             max_tokens=1 if prompt_only else max_tokens, logprobs=req.logprobs, **overrides)
+        truncate = serving.engine.input_processor.truncate
+        prompts = [dict(zip(("prompt", "prompt_token_ids"),
+                            truncate(p["prompt"], p["prompt_token_ids"], params))) for p in prompts]
         for p in prompts:
             serving.validate(params, p["prompt_token_ids"])
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -136,13 +139,18 @@ class _Renderer:
                                       delta.finish_reason, delta.stop_reason, first)
                 lp = choice.logprobs
                 if lp is not None and lp.tokens:
-                    offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+                    last = lp.tokens[-1]
+                    if self.req.return_tokens_as_token_ids:   # a name, not the token's text
+                        last = self.serving.tokenizer.decode([int(last.removeprefix("token_id:"))])
+                    offsets[index] = lp.text_offset[-1] + len(last)
                 choices.append(choice)
             if not choices:
                 return None
+            every = self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk
             return CompletionResponse(id=self.id, created=self.created,
                                       model=self.serving.model_name, choices=choices,
-                                      weight_version=out.weight_version)
+                                      weight_version=out.weight_version,
+                                      usage=usage([out], not self.prompt_only) if every else None)
 
         for i, out in enumerate(firsts):
             if (c := chunk(i, out)) is not None:
@@ -151,7 +159,7 @@ class _Renderer:
             latest[i] = out
             if (c := chunk(i, out)) is not None:
                 yield c
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+        if self.req.stream_options is not None and self.req.stream_options.usage_at_the_end:
             yield CompletionResponse(id=self.id, created=self.created,
                                      model=self.serving.model_name, choices=[],
                                      usage=usage(latest, count_completion=not self.prompt_only))
@@ -185,22 +193,27 @@ class _Renderer:
         """OpenAI's legacy logprobs: a null entry (the first prompt token) has no logprob."""
         result = CompletionLogProbs()
         decode = self.serving.tokenizer.decode
+        as_ids = self.req.return_tokens_as_token_ids
+
+        def text_of(token_id: int, lp) -> str:
+            return lp.decoded_token if lp is not None and lp.decoded_token is not None \
+                else decode([token_id])
+
+        def name(token_id: int, lp) -> str:
+            # vLLM's "token_id:{id}" names a token that is not whole text (part of a character).
+            return f"token_id:{token_id}" if as_ids else text_of(token_id, lp)
+
         for token_id, entry in zip(ids, entries):
+            chosen = entry[token_id] if entry is not None else None
             if entry is None:
-                token = decode([token_id])
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
-                chosen = entry[token_id]
-                token = chosen.decoded_token
-                if token is None:
-                    token = decode([token_id])
                 result.token_logprobs.append(clamp_logprob(chosen.logprob))
                 # The chosen token plus the top `logprobs`, keyed by text as OpenAI does.
-                result.top_logprobs.append({
-                    (lp.decoded_token if lp.decoded_token is not None else decode([tid])):
-                        clamp_logprob(lp.logprob) for tid, lp in entry.items()})
-            result.tokens.append(token)
+                result.top_logprobs.append({name(tid, lp): clamp_logprob(lp.logprob)
+                                            for tid, lp in entry.items()})
+            result.tokens.append(name(token_id, chosen))
             result.text_offset.append(offset)
-            offset += len(token)
+            offset += len(text_of(token_id, chosen))   # offsets into the text, as ever
         return result

@@ -100,7 +100,8 @@ class ToolCalls:
         """(content, tool-call deltas) to stream for `delta` more text."""
         if isinstance(self.choice, NamedToolChoice):
             deltas = []
-            if self.num_streamed == 0:
+            # Announced with its first text: none comes while a thinking model reasons first.
+            if self.num_streamed == 0 and delta:
                 self.num_streamed = 1
                 deltas.append(DeltaToolCall(index=0, id=_call_id(), type="function",
                                             function=DeltaFunctionCall(

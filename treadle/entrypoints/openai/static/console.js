@@ -74,10 +74,30 @@ function tokenColour(logprob) {
   return `hsl(${Math.round(120 * p)}, 75%, 82%)`;
 }
 
+// A thinking model's chain of thought (the server's --reasoning-parser splits it off) goes in
+// a fold above the answer; the token view shows every token of the reply, the thought's too.
+function renderReasoning(div, answer, hide) {
+  let fold = div.querySelector(".reasoning");
+  if (!answer.reasoning) return;
+  if (!fold) {
+    fold = document.createElement("details");
+    fold.className = "reasoning";
+    fold.open = true;
+    const summary = document.createElement("summary");
+    summary.textContent = "Reasoning";
+    fold.append(summary, document.createElement("div"));
+    div.prepend(fold);
+  }
+  fold.lastChild.textContent = answer.reasoning;
+  fold.hidden = hide;
+}
+
 function renderAnswer(div, answer) {
   const body = div.querySelector(".text");
   body.textContent = "";
-  if ($("show-tokens").checked && answer.tokens.length) {
+  const tokenView = $("show-tokens").checked && answer.tokens.length > 0;
+  renderReasoning(div, answer, tokenView);
+  if (tokenView) {
     for (const t of answer.tokens) {
       const span = document.createElement("span");
       span.className = "token";
@@ -121,7 +141,7 @@ async function send(text) {
   const stats = document.createElement("div");
   stats.className = "answer-stats";
   div.appendChild(stats);
-  const answer = { text: "", tokens: [] };
+  const answer = { text: "", reasoning: "", tokens: [] };
   const body = { model: state.model, messages: state.conversation, stream: true, logprobs: true,
                  stream_options: { include_usage: true }, ...samplingFields() };
   const start = performance.now();
@@ -134,8 +154,10 @@ async function send(text) {
       if (chunk.usage) numTokens = chunk.usage.completion_tokens;
       for (const choice of chunk.choices || []) {
         const content = choice.delta.content || "";
-        if (content && first === null) first = performance.now();
+        const reasoning = choice.delta.reasoning || choice.delta.reasoning_content || "";
+        if ((content || reasoning) && first === null) first = performance.now();
         answer.text += content;
+        answer.reasoning += reasoning;
         for (const t of (choice.logprobs && choice.logprobs.content) || []) answer.tokens.push(t);
         if (choice.finish_reason) finish = choice.finish_reason;
       }

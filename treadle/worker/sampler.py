@@ -145,6 +145,15 @@ def _put(logits: torch.Tensor, row_ids: list[int], token_ids: list[int],
     logits.index_put_(index, to_device(values, device, logits.dtype), accumulate=accumulate)
 
 
+def pending_tokens(deferred: DeviceTokens | None, slot_ids: np.ndarray,
+                   positions: np.ndarray) -> torch.Tensor:
+    """The tokens at these (slot, position) entries, every one a PLACEHOLDER whose token is
+    still on the device (`deferred`'s), in the entries' order."""
+    found = deferred.device_tokens_for(slot_ids, positions) if deferred is not None else None
+    assert found is not None and len(found[0]) == len(slot_ids), "a deferred token went missing"
+    return found[1]
+
+
 def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Sets every token outside a row's allowed_token_ids to -inf, in place, for the rows that
     name them, together: each gets a row of -inf with 0 at its allowed tokens added."""
@@ -195,9 +204,8 @@ def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow],
     ban = torch.ones(len(row_ids), dtype=torch.bool, device=device)
     if on_device:
         pairs, slot_ids, positions, needed = (np.array(c, dtype=np.int64) for c in zip(*on_device))
-        found = deferred.device_tokens_for(slot_ids, positions) if deferred is not None else None
-        assert found is not None and len(found[0]) == len(pairs), "a deferred token went missing"
-        ban[to_device(pairs[found[0]], device)] = found[1] == to_device(needed[found[0]], device)
+        ban[to_device(pairs, device)] = (pending_tokens(deferred, slot_ids, positions)
+                                         == to_device(needed, device))
     # A token two words end with is in `index` twice, perhaps banned by one check and not the
     # other: added, -inf wins whichever is written first.
     logits.index_put_(index, torch.where(ban, float("-inf"), 0.0), accumulate=True)
@@ -271,9 +279,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow],
         picked_rows = [rows[picked[i]] for i in entry_rows.tolist()]
         slot_ids = np.array([r.slot for r in picked_rows], dtype=np.int64)
         positions = np.array([len(r.prompt_ids) for r in picked_rows], dtype=np.int64) + columns
-        found = deferred.device_tokens_for(slot_ids, positions) if deferred is not None else None
-        assert found is not None and len(found[0]) == len(entry_rows), "a deferred token went missing"
-        return found[1]
+        return pending_tokens(deferred, slot_ids, positions)
 
     counts = token_counts([rows[i].output_ids for i in picked], vocab, device, deferred_tokens)
 

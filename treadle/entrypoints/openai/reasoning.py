@@ -34,13 +34,13 @@ TOOL_CALL = "<tool_call>"
 
 @dataclass(frozen=True)
 class ReasoningParser:
+    name: str   # its tags' (structured_output/reasoning.py)
     # Whether the output starts inside the reasoning (its <think> is in the prompt).
     opens_inside: bool
     # Whether enable_thinking=false turns the reasoning off (qwen3's template switch).
     thinking_switch: bool = False
     # Whether a <tool_call> ends the reasoning (and begins the content).
     tool_call_ends: bool = False
-    name: str = "deepseek_r1"   # its tags' (structured_output/reasoning.py)
 
     def for_request(self, thinking: bool, constrained: bool) -> ReasoningParser:
         """The parser for one request: `thinking` is its enable_thinking (True if unset);
@@ -111,9 +111,9 @@ def _tag_prefix_at_end(text: str, tag: str) -> int:
     return 0
 
 
-_PARSERS = {"deepseek_r1": ReasoningParser(opens_inside=True, name="deepseek_r1"),
-            "qwen3": ReasoningParser(opens_inside=True, thinking_switch=True, tool_call_ends=True,
-                                     name="qwen3")}
+_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", opens_inside=True),
+            "qwen3": ReasoningParser("qwen3", opens_inside=True, thinking_switch=True,
+                                     tool_call_ends=True)}
 assert set(_PARSERS) == set(reasoning_parser_names())
 
 

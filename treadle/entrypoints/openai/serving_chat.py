@@ -74,31 +74,30 @@ class ChatServing:
             reasoning = self.reasoning_parser.for_request(thinking, constrained=False)
             if params.structured_outputs is not None:
                 reasoning = await self._where_the_grammar_binds(req, params, text, thinking,
-                                                                add_generation_prompt)
+                                                                reasoning, add_generation_prompt)
         render = _Renderer(serving, req, request_id, add_generation_prompt,
                            lambda: ToolCalls(tool_choice, self.tool_parser), reasoning)
         return await serving.run(raw, request_id, [{"prompt": prompt, "prompt_token_ids": ids}],
                                  params, req.priority, req.cache_salt, req.stream, render.response,
                                  render.chunks)
 
-
     async def _where_the_grammar_binds(self, req: ChatCompletionRequest, params: SamplingParams,
-                                       text: str, thinking: bool, add_generation_prompt: bool
-                                       ) -> ReasoningParser:
+                                       text: str, thinking: bool, free: ReasoningParser,
+                                       add_generation_prompt: bool) -> ReasoningParser:
         """Tell the engine whether this constrained reply starts inside the reasoning (its
         grammar then waits for </think>), and return the parser that splits the text where the
         grammar binds. It starts inside as the generation prompt's last tag says (DeepSeek-R1
         opens <think> there, Qwen3 with thinking off closes an empty one), or with no tag there
         as the template's thinking switch says; the conversation before it (earlier turns'
-        thoughts) does not count. vllm_xargs {"reasoning": ...} overrides."""
+        thoughts) does not count. vllm_xargs {"reasoning": ...} overrides. `free`: the parser
+        for this request without a grammar."""
         parser = self.reasoning_parser
         extra = params.extra_args = dict(params.extra_args or {})
         if "reasoning" not in extra:
             opens = prompt_opens_reasoning(
                 await self._generation_prompt(req, text) if add_generation_prompt else text,
                 parser.name)
-            extra["reasoning"] = (parser.for_request(thinking, constrained=False).opens_inside
-                                  if opens is None else opens)
+            extra["reasoning"] = free.opens_inside if opens is None else opens
         if self.serving.engine.input_processor.grammar_waits(text, extra["reasoning"]):
             # Reasoning from the first token to </think> alone, where the grammar wakes: a
             # <tool_call> before it is still the unconstrained thought.

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from treadle import LLM
+from treadle.structured_output.reasoning import AfterReasoning
 from treadle.worker.deferred_step import DeferredStep
 
 
@@ -21,3 +24,39 @@ def defer_and_record(llm: LLM) -> list[Any]:
 
 def num_deferred(results: list[Any]) -> int:
     return sum(isinstance(r, DeferredStep) for r in results)
+
+
+def record_waits(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, set[str]]]:
+    """Turn deferred steps on; returns a list that gets, for each step queued behind one whose
+    tokens its rows read, whether it waited for them first, and what grammars those rows had
+    when the step began: "matcher", "waiting" (for the end of the reasoning) or "free"."""
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.allow_deferred_steps()
+    waits: list[tuple[bool, set[str]]] = []
+    kinds: dict[int, str] = {}   # slot: its grammar's kind as the last step ended
+
+    def kind(grammar) -> str:
+        return "free" if grammar is None else "waiting" if isinstance(grammar, AfterReasoning) else "matcher"
+
+    execute = runner.execute_model
+
+    def execute_and_look(so):
+        out = execute(so)
+        kinds.clear()
+        kinds.update({s: kind(g) for s, g in enumerate(runner.slots.grammar)})
+        return out
+
+    queue = DeferredStep.queue.__func__
+
+    def queue_and_record(cls, sampler, slots, grammars, logits, req_ids, idx, rows, ends, prompt,
+                         previous):
+        if previous is not None:
+            reading = set(idx[rows].tolist()) & (set(previous.slots.tolist()) - previous.dropped)
+            if reading:
+                waits.append((previous.output is not None, {kinds[s] for s in reading}))
+        return queue(cls, sampler, slots, grammars, logits, req_ids, idx, rows, ends, prompt,
+                     previous)
+
+    runner.execute_model = execute_and_look
+    monkeypatch.setattr(DeferredStep, "queue", classmethod(queue_and_record))
+    return waits

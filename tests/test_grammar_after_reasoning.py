@@ -25,7 +25,7 @@ from treadle.structured_output.reasoning import (AfterReasoning, prompt_opens_re
                                                  reasoning_end_token_ids)
 from treadle.structured_output.registry import get_backend
 
-from tests.deferred import defer_and_record, num_deferred
+from tests.deferred import defer_and_record, num_deferred, record_waits
 
 ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 CONSTRAINT = StructuredOutputsParams(json=ANSWER)
@@ -112,12 +112,18 @@ SETTINGS = [
 
 @pytest.mark.parametrize("name,engine_args", SETTINGS, ids=[s[0] for s in SETTINGS])
 def test_the_grammar_binds_after_the_reasoning(name, engine_args, model_path, tokenizer, cases,
-                                               reference):
+                                               reference, monkeypatch):
     hf_model = reference(model_path).model
     in_reasoning = name == "enable_in_reasoning"
+    if name == "async_scheduling_deferred":
+        # The thinking prompts alone, so that steps run with only waiting grammars, one of them
+        # ending its reasoning with a token still on the device (grammars that bind at once are
+        # deferred in test_structured_outputs.py).
+        cases = [case for case in cases if case[2]]
     with LLM(model_path, reasoning_parser="deepseek_r1",
              **{"max_model_len": 512, "block_size": 16, "num_kv_blocks": 64, **engine_args}) as llm:
         deferred = defer_and_record(llm) if name == "async_scheduling_deferred" else []
+        step_waits = record_waits(llm, monkeypatch) if name == "async_scheduling_deferred" else []
         params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINT,
                                  extra_args=extra) for _, extra, _ in cases]
         outs = llm.generate([prompt for prompt, _, _ in cases], params, use_tqdm=False)
@@ -142,6 +148,12 @@ def test_the_grammar_binds_after_the_reasoning(name, engine_args, model_path, to
         assert stats.spec_decoding.num_draft_tokens > 0
     elif name == "async_scheduling_deferred":
         assert num_deferred(deferred) > 30
+        # Deferred steps wait for the step before only for a matcher's sake: a row after a token
+        # still on the device that may end the reasoning takes the grammar's first mask there,
+        # where that token ends it (the JSON right after </think> above is the proof).
+        assert all(waited == ("matcher" in kinds) for waited, kinds in step_waits), step_waits
+        assert any(kinds == {"waiting"} for _, kinds in step_waits), step_waits
+        assert any(waited for waited, _ in step_waits)
 
 
 def test_where_the_prompt_leaves_the_reasoning():

@@ -188,6 +188,22 @@ def test_bad_allowed_token_ids_are_a_400_naming_them(client, allowed, message):
     assert message in e.message and e.body["param"] == "allowed_token_ids", e.body
 
 
+def test_allowed_token_ids_that_leave_no_token_end_the_request_not_the_server(server, client,
+                                                                             tokenizer):
+    """Only EOS allowed before min_tokens: the request ends with the reason (tests/test_ruled_out.py
+    offline), a 200, whole and streamed; the server serves on."""
+    body = {"allowed_token_ids": [tokenizer.eos_token_id], "min_tokens": 2}
+    resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body=body)
+    assert resp.choices[0].finish_reason == "error" and resp.choices[0].text == ""
+    assert resp.choices[0].model_extra["stop_reason"].startswith("no token can be sampled after 0")
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
+        extra_body=body))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "error"
+    assert server.request("GET", "/health")[0] == 200
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
 # -- truncate_prompt_tokens -----------------------------------------------------------------------
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model_path, tokenizer, reference):
     """vLLM's left truncation: the output is transformers' on the last k tokens, and the
@@ -242,7 +258,30 @@ def test_continuous_usage_stats_count_every_chunk(client):
     assert all(c.usage is None and c.choices for c in off)
 
 
-def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
+def test_continuous_usage_stats_count_each_choice_apart(client):
+    """As vLLM (and OpenAI) stream n > 1: one choice a chunk, and its usage counts that choice's
+    tokens so far, not its siblings'; the last chunk counts them all."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for call, kwargs in ((client.completions.create, {"prompt": "Once upon a time"}),
+                         (client.chat.completions.create, {"messages": ASK})):
+        chunks = list(call(model=MODEL, n=2, max_tokens=6, temperature=1.0, seed=2, stream=True,
+                           stream_options=options, **kwargs,
+                           extra_body={"ignore_eos": True, "return_token_ids": True}))
+        *parts, last = chunks
+        so_far = {0: 0, 1: 0}
+        for chunk in parts:
+            if chunk.choices[0].token_ids is None:   # chat's role chunk: no token yet
+                assert chunk.usage.completion_tokens == 0
+                continue
+            [choice] = chunk.choices
+            so_far[choice.index] += len(choice.token_ids)
+            assert chunk.usage.completion_tokens == so_far[choice.index]
+            assert chunk.usage.prompt_tokens == last.usage.prompt_tokens
+            assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + so_far[choice.index]
+        assert so_far == {0: 6, 1: 6} and last.usage.completion_tokens == 12
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, tokenizer):
     ask = dict(model=MODEL, max_tokens=5, temperature=0)
     named = {"return_tokens_as_token_ids": True, "return_token_ids": True}
     plain = client.completions.create(prompt="Once upon a time", logprobs=2, **ask)
@@ -258,11 +297,31 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
     assert [c.token for c in chat.logprobs.content] == [f"token_id:{t}" for t in chat.token_ids]
     assert all(t.token.startswith("token_id:") and t.bytes == list(t.token.encode())
                for c in chat.logprobs.content for t in c.top_logprobs)
+    # As vLLM: the chosen token's bytes are its text's, as without the option.
+    plain_chat = client.chat.completions.create(messages=ASK, logprobs=True, top_logprobs=2,
+                                                **ask).choices[0]
+    chosen_bytes = [c.bytes for c in chat.logprobs.content]
+    assert chosen_bytes == [c.bytes for c in plain_chat.logprobs.content]
+    assert chosen_bytes == [list(tokenizer.decode([t]).encode()) for t in chat.token_ids]
     # Streamed completions keep their text offsets.
     streamed = client.completions.create(prompt="Once upon a time", logprobs=2, stream=True,
                                          extra_body=named, **ask)
     offsets = [o for chunk in streamed for o in chunk.choices[0].logprobs.text_offset]
     assert offsets == plain_lp.text_offset
+    # As vLLM: each chunk's first offset is the length of the text streamed before it, even
+    # where a stop string holds text back while its tokens go out.
+    held = client.completions.create(model=MODEL, prompt="Once upon a time", logprobs=0,
+                                     stream=True, stop=["a stop string that never comes"],
+                                     max_tokens=12, temperature=0,
+                                     extra_body={**named, "ignore_eos": True})
+    text, held_back = "", False
+    for chunk in held:
+        [choice] = chunk.choices
+        if choice.logprobs.tokens:
+            assert choice.logprobs.text_offset[0] == len(text)
+            held_back |= not choice.text
+        text += choice.text
+    assert held_back
 
 
 # -- the chat template's options -----------------------------------------------------------------

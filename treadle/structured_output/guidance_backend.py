@@ -1,5 +1,9 @@
 """llguidance (`structured_outputs_config={"backend": "guidance"}`): masks computed lazily, per
-step, from an Earley parser; nothing to compile ahead beyond checking the grammar."""
+step, from an Earley parser; nothing to compile ahead beyond checking the grammar.
+
+Its tokenizer knows one EOS, shared by every request, so a request's stop ids (the model's other
+EOS ids, its stop_token_ids) are handled around it (backend.StopIdMatcher), as xgrammar's are:
+allowed and accepted where the grammar can end, ending the output, and nowhere else."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from treadle.structured_output.backend import GrammarBackend, GrammarError, Matcher
+from treadle.structured_output.backend import (GrammarBackend, GrammarError, Matcher, StopIdMatcher,
+                                               StopIds)
 from treadle.structured_output.params import StructuredOutputsParams
 
 
@@ -55,43 +60,37 @@ class GuidanceBackend(GrammarBackend):
         return _checked(params.key, _grammar(params))
 
     def matcher(self, compiled: str, stop_token_ids: list[int]) -> Matcher:
-        # The tokenizer's EOS is the grammar's stop token; other stop ids are not grammar stops.
-        return GuidanceMatcher(llguidance.LLMatcher(self.ll_tokenizer, compiled), self.eos_token_id)
+        # No stop ids: the tokenizer's EOS alone, as llguidance itself would have it.
+        stop_ids = stop_token_ids or ([self.eos_token_id] if self.eos_token_id is not None else [])
+        own = getattr(self.ll_tokenizer, "eos_tokens", None) or [self.ll_tokenizer.eos_token]
+        own = [t for t in own if t is not None]
+        return GuidanceMatcher(llguidance.LLMatcher(self.ll_tokenizer, compiled),
+                               StopIds(stop_ids, own, self.vocab_size))
 
 
-class GuidanceMatcher(Matcher):
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int | None) -> None:
+class GuidanceMatcher(StopIdMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, stops: StopIds) -> None:
+        super().__init__(stops)
         self._m = matcher
-        self._eos = eos_token_id
-        # llguidance reports "stopped" as soon as only EOS can follow; terminated is after it.
-        self._terminated = False
 
-    def accept(self, token_id: int) -> bool:
-        # Checked first: a refused token would leave the matcher in its error state. Its check
-        # of tokens never counts EOS, which is allowed exactly where the grammar can end.
-        if self._terminated:
-            return False
-        allowed = (self._m.is_accepting() if token_id == self._eos
-                   else self._m.validate_tokens([token_id]) == 1)
-        if not allowed:
+    def _accept_text(self, token_id: int) -> bool:
+        # Checked first: a refused token would leave the matcher in its error state.
+        if self._m.validate_tokens([token_id]) != 1:
             return False
         self._m.consume_token(token_id)
-        self._terminated = token_id == self._eos
         return True
 
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._m.rollback(num_tokens)
-            self._terminated = False
+    def _rollback_text(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def _fill_text(self, bitmask: torch.Tensor, row: int) -> None:
         if self._m.is_error():
-            # No way on (an unsatisfiable regex): llguidance would allow EOS alone, which accept()
-            # refuses as the grammar cannot end here. An empty row says what it is.
+            # No way on (an unsatisfiable regex): llguidance would allow EOS alone, which the
+            # grammar cannot end with here. An empty row says what it is.
             bitmask[row].zero_()
             return
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
-    def is_terminated(self) -> bool:
-        return self._terminated
-
+    def _can_end(self) -> bool:
+        # Where llguidance would allow its EOS ("stopped" too: only EOS may follow).
+        return not self._m.is_error() and self._m.is_accepting()

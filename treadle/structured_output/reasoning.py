@@ -71,6 +71,12 @@ class AfterReasoning:
                 return i - len(self.recent)
         return None
 
+    def token_that_ends(self) -> int | None:
+        """The token that ends the reasoning if the output's next token is it; None where no one
+        token can (the output does not end with the rest of the end tag)."""
+        rest = self.end[:-1]
+        return self.end[-1] if tuple(self.recent[len(self.recent) - len(rest):]) == rest else None
+
     def feed(self, tokens: list[int]) -> int | None:
         """Take the output's next tokens: the index of the one that ends the reasoning, if any."""
         at = self.completed_at(tokens)

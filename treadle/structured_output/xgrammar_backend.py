@@ -1,4 +1,9 @@
-"""xgrammar (the default): grammars compiled ahead into per-state token masks."""
+"""xgrammar (the default): grammars compiled ahead into per-state token masks.
+
+A request's stop ids are handled around it (backend.StopIdMatcher), as guidance's are: xgrammar
+reads special tokens as their text and takes a stop id the grammar could read as text as that
+text where it completes the grammar, which the output would then lack (the scheduler ends the
+request on a stop id and drops its text)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import torch
 import xgrammar as xgr
 
 from treadle.structured_output.backend import (GrammarBackend, GrammarError, Matcher,
-                                               choice_grammar, engine_message)
+                                               StopIdMatcher, StopIds, choice_grammar,
+                                               engine_message)
 from treadle.structured_output.params import StructuredOutputsParams
 
 # Threads a compile may use; the engine's own threads are busy stepping the model.
@@ -63,21 +69,26 @@ class XgrammarBackend(GrammarBackend):
             raise GrammarError(f"invalid structured_outputs.{params.kind}: {engine_message(e)}") from None
 
     def matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]) -> Matcher:
-        return XgrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None))
+        # Its own stop ids (the tokenizer's without any) only fill its masks: StopIds rewrites
+        # their bits, and no stop id reaches its accept_token.
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        return XgrammarMatcher(matcher, StopIds(stop_token_ids or matcher.stop_token_ids,
+                                                matcher.stop_token_ids, self.vocab_size))
 
 
-class XgrammarMatcher(Matcher):
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+class XgrammarMatcher(StopIdMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, stops: StopIds) -> None:
+        super().__init__(stops)
         self._m = matcher
 
-    def accept(self, token_id: int) -> bool:
+    def _accept_text(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
 
-    def rollback(self, num_tokens: int) -> None:
+    def _rollback_text(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def _fill_text(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
 
-    def is_terminated(self) -> bool:
-        return self._m.is_terminated()
+    def _can_end(self) -> bool:
+        return self._m.is_completed()

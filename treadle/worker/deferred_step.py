@@ -10,7 +10,8 @@ step N+1 is queued behind N with no wait between them. Then, while N+1 runs, N's
 the host (`finish`, the step's one sync, with its logprobs and prompt logprobs) and replace the
 placeholders, except in slots whose request left meanwhile (`drop`): a new tenant's tokens are
 its own. Grammar matchers advance there too; a step with a constrained request needs its mask,
-so it finishes N after its own forward pass is queued and before it samples. The executor hands
+so it finishes N after its own forward pass is queued and before it samples (not for a grammar
+still waiting for the end of the reasoning: worker/grammar.py masks its row on the device). The executor hands
 the engine N's output when finished (executor/uniproc.py's StepFuture); everything runs on the
 worker thread. Steps that verify drafts are never deferred: the proposer reads host tokens.
 """
@@ -27,7 +28,7 @@ from treadle.device_copy import to_device, to_host
 from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.prompt_logprobs import PromptLogprobs
 from treadle.worker.request_state import PLACEHOLDER, RequestSlots
-from treadle.worker.sampler import Sampler, SamplerOutput, sampling_rows
+from treadle.worker.sampler import Sampler, SamplerOutput, ruled_out_error, sampling_rows
 
 
 @dataclass
@@ -49,7 +50,7 @@ class DeferredStep:
         slot; `logits`: one row per sampling request) and leave the tokens on the device: each
         sampling slot advances over a PLACEHOLDER, and every slot's computed count becomes its
         `ends` entry. `previous`: the deferred step before, if still unfinished (its tokens are
-        the PLACEHOLDERs the penalties count); a constrained row's grammar must be past it."""
+        the PLACEHOLDERs the penalties count); a constrained row's matcher must be past it."""
         slot_ids = idx[rows]
         samples = sampler.sample(logits, sampling_rows(slots, slot_ids),
                                  grammars.bitmask(slot_ids, [[] for _ in slot_ids]), previous)
@@ -90,13 +91,17 @@ class DeferredStep:
         sample_tensors = self.samples.tensors()
         host = to_host(*sample_tensors, *self.prompt.tensors())
         tokens, token_lps = self.samples.to_lists(host[:len(sample_tensors)])
+        ruled_out = self.samples.rows_ruled_out(host[:len(sample_tensors)])
         errors: dict[str, str] = {}
-        for r, slot, pos, token in zip(self.sampled_rows.tolist(), self.slots.tolist(),
-                                       self.positions.tolist(), tokens):
+        for k, (r, slot, pos, token) in enumerate(zip(self.sampled_rows.tolist(), self.slots.tolist(),
+                                                      self.positions.tolist(), tokens)):
             if slot not in self.dropped:
                 assert slots.token_ids[slot, pos] == PLACEHOLDER, f"slot {slot} moved under a deferred token"
                 slots.token_ids[slot, pos] = token
-                if (error := grammars.accept(slot, [token], pos)) is not None:
+                if k in ruled_out:
+                    errors[self.req_ids[r]] = ruled_out_error(pos - int(slots.num_prompt_tokens[slot]))
+                    slots.grammar[slot] = None   # as after a refusal: its tokens are dropped
+                elif (error := grammars.accept(slot, [token], pos)) is not None:
                     errors[self.req_ids[r]] = error
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         logprobs: dict[str, list[TokenLogprobs]] = {}

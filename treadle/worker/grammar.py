@@ -10,11 +10,15 @@ engine core, never on its way to this sampler. Drafts are matched tentatively an
 A grammar that waits for the end of the reasoning (structured_output/reasoning.py) sits in its
 slot as an `AfterReasoning`: its rows are free, its drafts stop short of the end tag, and the
 token that completes the tag puts the matcher itself in the slot, so the next row is masked.
+Under deferred steps that token may still be on the device when the next row is sampled: the
+row then gets the grammar's first mask, applied there only where the token ends the reasoning,
+so a waiting grammar never makes a step wait for the one before.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,9 +30,19 @@ from treadle.structured_output.backend import GrammarBackend, Matcher
 from treadle.structured_output.compile_ahead import CompileAhead
 from treadle.structured_output.reasoning import AfterReasoning
 from treadle.structured_output.registry import get_backend
-from treadle.worker.request_state import RequestSlots
+from treadle.worker.request_state import PLACEHOLDER, RequestSlots
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GrammarMask:
+    """The packed masks of a step's sampling rows under a grammar (bit t: token t allowed)."""
+    bitmask: torch.Tensor   # one row for each entry of `rows`
+    rows: list[int]         # the sampling rows they mask
+    # Masks that hold only where the slot's last token, still on the device (a deferred step's),
+    # is the one that ends the reasoning: (index into `rows`, slot, position, that token).
+    if_token_ends: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class GrammarMatchers:
@@ -69,18 +83,40 @@ class GrammarMatchers:
             assert accepted, f"{new.req_id}: its own output token {t} breaks its grammar"
         self.slots.grammar[slot] = matcher
 
-    def constrains(self, slot_ids: np.ndarray) -> bool:
-        """Whether any of these slots samples under a grammar, or one waiting for the end of
-        the reasoning (whose next row is masked if the last token ended it)."""
-        return any(self.slots.grammar[int(s)] is not None for s in slot_ids)
+    def waits_for_tokens(self, slot_ids: np.ndarray) -> bool:
+        """Whether any of these slots' next mask needs its last token on the host: a matcher
+        advances there. A grammar still waiting for the end of the reasoning does not: whether
+        that token ends it is checked on the device (`bitmask`)."""
+        return any(self.slots.grammar[int(s)] is not None
+                   and not isinstance(self.slots.grammar[int(s)], AfterReasoning) for s in slot_ids)
 
-    def bitmask(self, slot_ids: np.ndarray, drafts: list[list[int]]
-                ) -> tuple[torch.Tensor, list[int]] | None:
-        """Masks for the sampling rows (1 + k per request, k drafts), as (bitmask, rows it
-        covers); None when no row is constrained. Rows past a request's first draft the grammar
-        refuses stay free: verification stops at that draft, so their samples are never kept."""
-        matchers = [self.slots.grammar[s] for s in slot_ids]
-        matchers = [None if isinstance(m, AfterReasoning) else m for m in matchers]
+    def _ends_on_device(self, slot: int, waiting: AfterReasoning) -> tuple[int, int] | None:
+        """(position, token) where the slot's last token is still on the device and ends the
+        reasoning if it is that token."""
+        position = int(self.slots.num_tokens[slot]) - 1
+        if self.slots.token_ids[slot, position] != PLACEHOLDER:
+            return None
+        token = waiting.token_that_ends()
+        return None if token is None else (position, token)
+
+    def bitmask(self, slot_ids: np.ndarray, drafts: list[list[int]]) -> GrammarMask | None:
+        """Masks for the sampling rows (1 + k per request, k drafts); None when no row is
+        constrained. Rows past a request's first draft the grammar refuses stay free:
+        verification stops at that draft, so their samples are never kept."""
+        matchers: list[Matcher | None] = []
+        ends_on_device: dict[int, tuple[int, int, int]] = {}   # row: (slot, position, token)
+        first = 0
+        for s, d in zip(slot_ids, drafts):
+            matcher = self.slots.grammar[s]
+            if isinstance(matcher, AfterReasoning):
+                if (end := self._ends_on_device(int(s), matcher)) is not None:
+                    assert not d, "steps verifying drafts read no token on the device"
+                    ends_on_device[first] = (int(s), *end)
+                    matcher = matcher.matcher   # at the grammar's start: its first mask
+                else:
+                    matcher = None
+            matchers.append(matcher)
+            first += len(d) + 1
         if all(m is None for m in matchers):
             return None
         bitmask = self.backend.allocate_bitmask(sum(len(d) + 1 for d in drafts))
@@ -101,7 +137,10 @@ class GrammarMatchers:
         # its sample is well defined; accept() then refuses it and ends the request.
         allowed = bitmask[rows].ne(0).any(dim=1).tolist() if rows else []
         rows = [r for r, some in zip(rows, allowed) if some]
-        return (bitmask[rows], rows) if rows else None
+        if not rows:
+            return None
+        return GrammarMask(bitmask[rows], rows,
+                           [(i, *ends_on_device[r]) for i, r in enumerate(rows) if r in ends_on_device])
 
     def accept(self, slot: int, token_ids: list[int], position: int) -> str | None:
         """Advance a slot's matcher past its accepted tokens, the first of them at `position`
@@ -147,14 +186,21 @@ class GrammarMatchers:
         return drafts[:matcher.valid_prefix(drafts)]
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set the logits of tokens a row's mask forbids to -inf, in place (bit t: token t allowed).
+def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask,
+                        ended: torch.Tensor | None = None) -> None:
+    """Set the logits of tokens a row's mask forbids to -inf, in place. `ended`: for each of
+    `mask.if_token_ends`, on the device, whether its token ended the reasoning (its mask holds
+    only then).
 
     The mask travels to the logits' device packed, 32 tokens to an int32 word (a 32nd of the
     unpacked size), and is unpacked there."""
     device = logits.device
-    packed = to_device(bitmask, device)   # from pinned memory: no wait for the GPU
+    packed = to_device(mask.bitmask, device)   # from pinned memory: no wait for the GPU
     bits = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((packed[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
-    index = to_device(rows, device, torch.int64)
+    if mask.if_token_ends:
+        assert ended is not None and len(ended) == len(mask.if_token_ends)
+        at = to_device([i for i, *_ in mask.if_token_ends], device, torch.int64)
+        allowed[at] |= ~ended[:, None]   # still reasoning: the row is free
+    index = to_device(mask.rows, device, torch.int64)
     logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))

@@ -25,7 +25,7 @@ from treadle.worker.device import worker_device
 from treadle.worker.request_state import PLACEHOLDER, RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
 from treadle.worker.prompt_logprobs import queue_prompt_logprobs
-from treadle.worker.sampler import Sampler, SamplerOutput, sampling_rows
+from treadle.worker.sampler import Sampler, SamplerOutput, ruled_out_error, sampling_rows
 from treadle.worker.spec_decode.ngram import NgramProposer
 from treadle.worker.weight_controls import WeightControls
 
@@ -314,7 +314,7 @@ class ModelRunner(WeightControls):
         prompt = queue_prompt_logprobs(self.model, slots, hidden, req_ids, idx, starts, q_lens, ctx)
         if len(rows) and defer:
             assert not so.scheduled_spec_decode_tokens, "steps verifying drafts are never deferred"
-            if previous is not None and self.grammars.constrains(np.intersect1d(idx[rows], previous.slots)):
+            if previous is not None and self.grammars.waits_for_tokens(np.intersect1d(idx[rows], previous.slots)):
                 # Their masks follow the previous step's tokens: wait for them now, with this
                 # step's forward pass queued behind it.
                 previous.finish(slots, self.grammars)
@@ -331,7 +331,8 @@ class ModelRunner(WeightControls):
         host = to_host(*sample_tensors, *prompt.tensors())
         if queued is not None:
             sampled_rows, logprobs_rows, slot_errors = self._verify(
-                queued.to_lists(host[:len(sample_tensors)]), idx[rows], row_drafts)
+                queued.to_lists(host[:len(sample_tensors)]), idx[rows], row_drafts,
+                queued.rows_ruled_out(host[:len(sample_tensors)]))
             request_errors = {req_ids[r]: slot_errors[int(idx[r])] for r in rows
                               if int(idx[r]) in slot_errors}
             for r, tokens, lps in zip(rows, sampled_rows, logprobs_rows):
@@ -387,11 +388,12 @@ class ModelRunner(WeightControls):
                                    self.grammars.bitmask(slot_ids, drafts))
 
     def _verify(self, samples: tuple[list[int], list[TokenLogprobs | None]], slot_ids: np.ndarray,
-                drafts: list[list[int]]) -> tuple[
+                drafts: list[list[int]], ruled_out: set[int]) -> tuple[
                     list[list[int]], list[list[TokenLogprobs] | None], dict[int, str]]:
         """Each request's tokens from its samples (`_queue_samples`'s, on the host): with k
         drafts, the drafts up to the first one the sample disagrees with, plus that sample. Also
-        returns, per slot whose grammar refused its tokens, why its request ends.
+        returns, per slot whose grammar refused its tokens or which had a row with no token left
+        (`ruled_out`, rows of the samples), why its request ends.
 
         Output is identical with and without drafts: greedy keeps the longest matching prefix
         plus the bonus token, and a sampled draft d survives with probability p(d), else the
@@ -406,8 +408,12 @@ class ModelRunner(WeightControls):
             while accepted < len(d) and tokens[pos + accepted] == d[accepted]:
                 accepted += 1
             out_tokens.append(tokens[pos:pos + accepted + 1])
-            if (error := self.grammars.accept(int(slot), out_tokens[-1],
-                                              int(self.slots.num_tokens[slot]))) is not None:
+            position = int(self.slots.num_tokens[slot])
+            if dead := [j for j in range(accepted + 1) if pos + j in ruled_out]:
+                errors[int(slot)] = ruled_out_error(
+                    position + dead[0] - int(self.slots.num_prompt_tokens[slot]))
+                self.slots.grammar[slot] = None   # as after a refusal: its tokens are dropped
+            elif (error := self.grammars.accept(int(slot), out_tokens[-1], position)) is not None:
                 errors[int(slot)] = error
             lps = token_lps[pos:pos + accepted + 1]
             out_lps.append(None if lps[0] is None else lps)

@@ -27,7 +27,7 @@ from treadle.core.scheduler_output import TokenLogprobs
 from treadle.device_copy import to_device, to_host
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.sampling_params import SamplingParams
-from treadle.worker.grammar import apply_token_bitmask
+from treadle.worker.grammar import GrammarMask, apply_token_bitmask
 from treadle.worker.request_state import PLACEHOLDER
 from treadle.worker.sampling_random import exponential_noise, row_key
 
@@ -101,9 +101,17 @@ class SamplerOutput:
     token_ids: torch.Tensor              # [rows] int64
     logprobs: BatchedLogprobs | None     # for the rows in `logprob_rows`
     logprob_rows: list[int]
+    # [rows] bool: the request's own constraints ruled out every token (its token is a
+    # placeholder, 0, and the runner ends the request); None where no row could be.
+    ruled_out: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.token_ids] + (self.logprobs.tensors() if self.logprobs is not None else [])
+        return ([self.token_ids] + (self.logprobs.tensors() if self.logprobs is not None else [])
+                + ([self.ruled_out] if self.ruled_out is not None else []))
+
+    def rows_ruled_out(self, host: list[torch.Tensor]) -> set[int]:
+        """The rows with no token left to sample (`host`: `tensors()` on the host)."""
+        return set() if self.ruled_out is None else set(host[-1].nonzero().flatten().tolist())
 
     def to_lists(self, host: list[torch.Tensor] | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -115,9 +123,21 @@ class SamplerOutput:
         if self.logprobs is None:
             return tokens, [None] * len(tokens)
         out: list[TokenLogprobs | None] = [None] * len(tokens)
-        for i, lp in zip(self.logprob_rows, self.logprobs.to_lists(host[1:])):
+        for i, lp in zip(self.logprob_rows, self.logprobs.to_lists(host[1:6])):
             out[i] = lp
         return tokens, out
+
+
+def ruled_out_error(num_output: int) -> str:
+    """Why a request whose row had no token left ends (SamplerOutput.ruled_out)."""
+    return (f"no token can be sampled after {num_output} output token(s): the request's "
+            f"allowed_token_ids, bad_words, min_tokens and structured outputs rule out every token")
+
+
+def _may_rule_out_all(row: SamplingRow) -> bool:
+    p = row.params
+    return (p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
+            or len(row.output_ids) < p.min_tokens)
 
 
 def has_penalties(p: SamplingParams) -> bool:
@@ -209,6 +229,17 @@ def apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow],
     # A token two words end with is in `index` twice, perhaps banned by one check and not the
     # other: added, -inf wins whichever is written first.
     logits.index_put_(index, torch.where(ban, float("-inf"), 0.0), accumulate=True)
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask,
+                       deferred: DeviceTokens | None = None) -> None:
+    """The grammar's masks, in place; a mask waiting on the reasoning's end token, where that
+    token is still on the device (`deferred`'s), holds where the token is it."""
+    ended = None
+    if mask.if_token_ends:
+        _, slot_ids, positions, tokens = (np.array(c, dtype=np.int64) for c in zip(*mask.if_token_ends))
+        ended = pending_tokens(deferred, slot_ids, positions) == to_device(tokens, logits.device)
+    apply_token_bitmask(logits, mask, ended)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -314,19 +345,20 @@ class Sampler:
         return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 grammar_mask: tuple[torch.Tensor, list[int]] | None = None
+                 grammar_mask: GrammarMask | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """`sample`, converted to Python lists."""
         return self.sample(logits, rows, grammar_mask).to_lists()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+               grammar_mask: GrammarMask | None = None,
                deferred: DeviceTokens | None = None) -> SamplerOutput:
-        """`grammar_mask`: (packed bitmask, the rows it covers) for rows under structured outputs.
+        """`grammar_mask`: the masks of rows under structured outputs.
         `logits` in the model's dtype: rows that only take the argmax read them as they are (a
         bf16 or fp16 value widens to fp32 exactly, so the answer is the same); the rest work in
         fp32. `logits` is this step's own tensor, so it may be edited in place. `deferred`: the
-        step whose tokens are the PLACEHOLDERs in the rows' output (penalties count them)."""
+        step whose tokens are the PLACEHOLDERs in the rows' output (penalties count them, and
+        bad words and the reasoning's end are checked against them)."""
         if grammar_mask is None and all(_argmax_only(r) for r in rows):
             # An argmax records no autograd history: the common greedy step skips entering
             # inference mode, which costs as much as the rest of this path.
@@ -335,7 +367,7 @@ class Sampler:
             return self._edit_and_sample(logits, rows, grammar_mask, deferred)
 
     def _edit_and_sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-                         grammar_mask: tuple[torch.Tensor, list[int]] | None,
+                         grammar_mask: GrammarMask | None,
                          deferred: DeviceTokens | None) -> SamplerOutput:
         logits = logits.float()
         device = logits.device
@@ -353,7 +385,14 @@ class Sampler:
         apply_min_tokens(logits, rows)
         apply_penalties(logits, rows, deferred)
         if grammar_mask is not None:
-            apply_token_bitmask(logits, *grammar_mask)
+            apply_grammar_mask(logits, grammar_mask, deferred)
+        ruled_out = None
+        if grammar_mask is not None or any(_may_rule_out_all(r) for r in rows):
+            # A row whose constraints leave no token (allowed_token_ids outside the grammar, or
+            # only stop tokens before min_tokens) samples a placeholder from a flat row instead
+            # of NaN probabilities; the runner ends its request with the reason.
+            ruled_out = torch.isneginf(logits).all(dim=-1)
+            logits.masked_fill_(ruled_out[:, None], 0.0)
 
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < 1e-5]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= 1e-5]
@@ -372,7 +411,7 @@ class Sampler:
             chosen = tokens if len(logprob_rows) == len(rows) else tokens[to_device(logprob_rows, device)]
             logprobs = batched_logprobs(raw_logprobs, chosen,
                                         [rows[i].params.logprobs for i in logprob_rows])
-        return SamplerOutput(tokens, logprobs, logprob_rows)
+        return SamplerOutput(tokens, logprobs, logprob_rows, ruled_out)
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -303,9 +303,13 @@ def structured_outputs(req: SamplingFields, backend: str) -> dict[str, Any] | No
     return {"json": fmt.json_schema.json_schema}
 
 
-def usage(outputs: list[RequestOutput], count_completion: bool = True) -> UsageInfo:
+def usage(outputs: list[RequestOutput], count_completion: bool = True,
+          index: int | None = None) -> UsageInfo:
+    """`index`: count only that choice's completion tokens, as vLLM's continuous_usage_stats
+    does in a streamed chunk (which carries that one choice)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs
+                     if index is None or c.index == index)
     completion = completion if count_completion else 0
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,

@@ -25,7 +25,7 @@ from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, c
 from treadle.entrypoints.openai.streams import PromptStreams
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_constraint
-from treadle.outputs import RequestOutput
+from treadle.outputs import Logprob, RequestOutput
 from treadle.sampling_params import RequestOutputKind, SamplingParams
 from treadle.structured_output.reasoning import prompt_opens_reasoning
 
@@ -232,21 +232,24 @@ class _Renderer:
             first.usage = usage(firsts[:1], count_completion=False)   # no token yet
         yield first
         latest = firsts[0]
-        if (chunk := self._delta_chunk(progress, tool_calls, reasoning, latest)) is not None:
+        for chunk in self._delta_chunks(progress, tool_calls, reasoning, latest):
             yield chunk
         async for _, out in streams:
             latest = out
-            if (chunk := self._delta_chunk(progress, tool_calls, reasoning, out)) is not None:
+            for chunk in self._delta_chunks(progress, tool_calls, reasoning, out):
                 yield chunk
         if self.req.stream_options is not None and self.req.stream_options.usage_at_the_end:
             yield ChatCompletionChunk(id=self.id, created=self.created,
                                       model=self.serving.model_name, choices=[],
                                       usage=usage([latest]))
 
-    def _delta_chunk(self, progress: list[ChoiceProgress], tool_calls: list[ToolCalls],
-                     reasoning_streams: list[ReasoningStream | None],
-                     out: RequestOutput) -> ChatCompletionChunk | None:
-        choices = []
+    def _delta_chunks(self, progress: list[ChoiceProgress], tool_calls: list[ToolCalls],
+                      reasoning_streams: list[ReasoningStream | None],
+                      out: RequestOutput) -> list[ChatCompletionChunk]:
+        """A chunk for each choice with something new, as vLLM and OpenAI stream n > 1: its
+        continuous usage then counts that choice's tokens alone, as vLLM's does."""
+        chunks = []
+        every = self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk
         for c in out.outputs:
             delta = progress[c.index].take(c)
             if delta is None:
@@ -265,21 +268,19 @@ class _Renderer:
                 held.held_ids, held.held_logprobs = token_ids, logprobs or []
                 continue   # held back: a tool call or a tag has begun and is not complete
             held.held_ids, held.held_logprobs = [], []
-            choices.append(ChatStreamChoice(
+            chunk = self._chunk([ChatStreamChoice(
                 index=c.index, delta=DeltaMessage(
                     content=content if content or not (call_deltas or reasoning) else None,
                     tool_calls=call_deltas or None, reasoning=reasoning or None,
                     reasoning_content=reasoning or None),
                 logprobs=self._logprobs(token_ids, logprobs),
                 finish_reason=_finish_reason(delta.finish_reason, calls.num_streamed > 0),
-                stop_reason=delta.stop_reason, token_ids=self._token_ids(token_ids)))
-        if not choices:
-            return None
-        chunk = self._chunk(choices)
-        chunk.weight_version = out.weight_version
-        if self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk:
-            chunk.usage = usage([out])
-        return chunk
+                stop_reason=delta.stop_reason, token_ids=self._token_ids(token_ids))])
+            chunk.weight_version = out.weight_version
+            if every:   # held-back tokens count too: they were generated (vLLM counts them)
+                chunk.usage = usage([out], index=c.index)
+            chunks.append(chunk)
+        return chunks
 
     def _token_ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.req.return_token_ids else None
@@ -300,7 +301,8 @@ class _Renderer:
                           key=lambda item: item[1].rank)[:num_top]
             content.append(ChatLogProbsContent(
                 **_logprob(token_id, entry[token_id], as_ids),
-                top_logprobs=[ChatLogProb(**_logprob(t, lp, as_ids)) for t, lp in tops]))
+                top_logprobs=[ChatLogProb(**_logprob(t, lp, as_ids, name_bytes=True))
+                              for t, lp in tops]))
         return ChatLogProbs(content=content)
 
 
@@ -308,8 +310,11 @@ def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called_tools else reason
 
 
-def _logprob(token_id: int, lp, as_id: bool = False) -> dict:
-    """One token's entry; `as_id`: named "token_id:{id}" (return_tokens_as_token_ids)."""
-    token = f"token_id:{token_id}" if as_id else lp.decoded_token or ""
+def _logprob(token_id: int, lp: Logprob, as_id: bool = False, name_bytes: bool = False) -> dict:
+    """One token's entry; `as_id`: named "token_id:{id}" (return_tokens_as_token_ids). As in
+    vLLM, its bytes are its text's even so, but a top_logprobs entry's are its name's
+    (`name_bytes`)."""
+    text = lp.decoded_token or ""
+    token = f"token_id:{token_id}" if as_id else text
     return {"token": token, "logprob": clamp_logprob(lp.logprob),
-            "bytes": list(token.encode("utf-8"))}
+            "bytes": list((token if name_bytes else text).encode("utf-8"))}

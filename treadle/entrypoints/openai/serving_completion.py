@@ -120,11 +120,16 @@ class _Renderer:
                      ) -> AsyncIterator[CompletionResponse]:
         n = self.req.n
         progress = [ChoiceProgress() for _ in range(len(firsts) * n)]
-        offsets = [0] * len(progress)   # text_offset of the next token, per choice
+        # text_offset of the next token, per choice: as vLLM's, the length of the text streamed
+        # so far (a stop string's hold-back can keep it behind the tokens already sent).
+        offsets = [0] * len(progress)
         latest = list(firsts)
+        every = self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk
 
-        def chunk(i: int, out: RequestOutput) -> CompletionResponse | None:
-            choices = []
+        def chunks(i: int, out: RequestOutput) -> list[CompletionResponse]:
+            """A chunk for each choice with something new, as vLLM and OpenAI stream n > 1: its
+            continuous usage then counts that choice's tokens alone, as vLLM's does."""
+            made = []
             for c in out.outputs:
                 index = i * n + c.index
                 first = progress[index].num_tokens == 0 and progress[index].text_len == 0
@@ -137,27 +142,20 @@ class _Renderer:
                     text, ids, lps = "", [], []
                 choice = self._choice(i, out, c.index, text, ids, lps, echo, offsets[index],
                                       delta.finish_reason, delta.stop_reason, first)
-                lp = choice.logprobs
-                if lp is not None and lp.tokens:
-                    last = lp.tokens[-1]
-                    if self.req.return_tokens_as_token_ids:   # a name, not the token's text
-                        last = self.serving.tokenizer.decode([int(last.removeprefix("token_id:"))])
-                    offsets[index] = lp.text_offset[-1] + len(last)
-                choices.append(choice)
-            if not choices:
-                return None
-            every = self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk
-            return CompletionResponse(id=self.id, created=self.created,
-                                      model=self.serving.model_name, choices=choices,
-                                      weight_version=out.weight_version,
-                                      usage=usage([out], not self.prompt_only) if every else None)
+                # The echoed prompt counts: its tokens' offsets came first (vLLM leaves it out).
+                offsets[index] += len(choice.text)
+                made.append(CompletionResponse(
+                    id=self.id, created=self.created, model=self.serving.model_name,
+                    choices=[choice], weight_version=out.weight_version,
+                    usage=usage([out], not self.prompt_only, index=c.index) if every else None))
+            return made
 
         for i, out in enumerate(firsts):
-            if (c := chunk(i, out)) is not None:
+            for c in chunks(i, out):
                 yield c
         async for i, out in streams:
             latest[i] = out
-            if (c := chunk(i, out)) is not None:
+            for c in chunks(i, out):
                 yield c
         if self.req.stream_options is not None and self.req.stream_options.usage_at_the_end:
             yield CompletionResponse(id=self.id, created=self.created,

@@ -1,0 +1,75 @@
+"""A request whose own constraints leave no token to sample (allowed_token_ids outside its
+grammar, only stop tokens allowed before min_tokens, bad_words banning the last allowed token)
+ends with finish_reason "error" and the reason, at the token where it ran out, with the output
+before it kept; vLLM samples token 0 there, and a sampled row would draw from NaN probabilities.
+Its neighbours in the batch are untouched: held to transformers. Waited, deferred (the check
+comes down with the tokens, in the step's one wait) and with n-gram drafts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams, StructuredOutputsParams
+from treadle.models.loader import load_tokenizer, prepare_model
+
+from tests.deferred import defer_and_record, num_deferred
+
+PROMPT = "The cat sat on the mat. The cat sat on the"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_path(smollm2_path) -> str:
+    return prepare_model(smollm2_path)
+
+
+SETTINGS = [
+    ("waited", {}),
+    ("deferred", {"async_scheduling": True}),
+    ("ngram_speculation", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3}}),
+]
+
+
+@pytest.mark.parametrize("name,engine_args", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_a_request_with_no_token_left_ends_with_the_reason(name, engine_args, model_path, reference):
+    tokenizer = load_tokenizer(model_path)
+    the = tokenizer.encode(" the", add_special_tokens=False)
+    assert len(the) == 1 and tokenizer.encode(" the the", add_special_tokens=False) == the * 2
+    eos = tokenizer.eos_token_id
+    cases = [
+        # (params, output tokens kept before it runs out)
+        (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, allowed_token_ids=the,
+                        structured_outputs=StructuredOutputsParams(json={"type": "object"})), 0),
+        (SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, min_tokens=3,
+                        allowed_token_ids=[eos]), 0),
+        # " the" once; after it, " the the" bans the only token left.
+        (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, allowed_token_ids=the,
+                        bad_words=[" the the"]), 1),
+    ]
+    free = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with LLM(model_path, **{"max_model_len": 256, "block_size": 16, "num_kv_blocks": 32,
+                            **engine_args}) as llm:
+        deferred = defer_and_record(llm) if name == "deferred" else []
+        outs = llm.generate([PROMPT] * (len(cases) + 1), [p for p, _ in cases] + [free],
+                            use_tqdm=False)
+        stats = llm.engine.core.get_stats()
+        llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+    for (_, kept), out in zip(cases, outs):
+        choice = out.outputs[0]
+        assert choice.finish_reason == "error", choice
+        assert choice.stop_reason == (
+            f"no token can be sampled after {kept} output token(s): the request's allowed_token_ids, "
+            f"bad_words, min_tokens and structured outputs rule out every token")
+        assert list(choice.token_ids) == the * kept
+    ids = tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        want = reference(model_path).model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)), do_sample=False,
+            max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=eos)[0, len(ids):].tolist()
+    assert list(outs[-1].outputs[0].token_ids) == want
+    if name == "deferred":
+        assert num_deferred(deferred) >= MAX_TOKENS - 1
+    elif name == "ngram_speculation":
+        assert stats.spec_decoding.num_draft_tokens > 0

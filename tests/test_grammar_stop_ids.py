@@ -251,3 +251,42 @@ def test_matcher_stop_ids(backend, model_path, tokenizer):
     m = b.matcher(compiled, [EXTRA_EOS])
     assert m.accept(no) and allowed(m, [eos, EXTRA_EOS]) == [EXTRA_EOS]
     assert not m.accept(eos) and m.accept(EXTRA_EOS) and m.is_terminated()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stop_id_among_accepted_drafts_ends_the_output(backend, model_path, tokenizer,
+                                                         reference):
+    """A chat whose earlier answers were "yes<|im_end|>": the n-gram drafts after "yes" propose
+    the EOS, the grammar can end there, and the sample agrees, so the stop and the bonus token
+    after it are accepted together. The output ends at the stop, as transformers' does (the
+    terminated matcher once refused the bonus token and ended the request with an error)."""
+    messages = []
+    for q in ["Is the sky blue?", "Is water wet?", "Is fire hot?"]:
+        messages += [{"role": "user", "content": q + " Answer yes or no."},
+                     {"role": "assistant", "content": "yes"}]
+    messages.append({"role": "user", "content": "Is snow cold? Answer yes or no."})
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    constraint = StructuredOutputsParams(choice=["yes", "no"])
+    eos = tokenizer.eos_token_id
+    with LLM(model_path, max_model_len=512, block_size=16, num_kv_blocks=64,
+             structured_outputs_config={"backend": backend}, speculative_config=NGRAM) as llm:
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=8, structured_outputs=constraint),
+                           use_tqdm=False)[0].outputs[0]
+        stats = llm.engine.core.get_stats()
+    hf_model = reference(model_path).model
+    processor = _reference_processor(backend, model_path, hf_model.config.vocab_size, constraint,
+                                     (eos,))
+    with torch.inference_mode():
+        want = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=8, logits_processor=[processor], eos_token_id=eos,
+            pad_token_id=eos)[0, len(prompt):].tolist()
+    assert want[-1] == eos
+    assert list(out.token_ids) == want and out.finish_reason == "stop", out
+    assert stats.spec_decoding.num_accepted_tokens > 0

@@ -73,3 +73,45 @@ def test_a_request_with_no_token_left_ends_with_the_reason(name, engine_args, mo
         assert num_deferred(deferred) >= MAX_TOKENS - 1
     elif name == "ngram_speculation":
         assert stats.spec_decoding.num_draft_tokens > 0
+
+
+def _constrained_greedy(hf_model, prompt: list[int], allowed: list[int],
+                        bad_words: list[list[int]]) -> list[int]:
+    """transformers' greedy choice among `allowed` less the bad words' banned last tokens (each
+    banned where the output ends with the rest of its word), until no token is left."""
+    out: list[int] = []
+    while True:
+        banned = {w[-1] for w in bad_words
+                  if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]}
+        left = [t for t in allowed if t not in banned]
+        if not left:
+            return out
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + out])).logits[0, -1]
+        out.append(max(left, key=lambda t: float(logits[t])))
+
+
+@pytest.mark.parametrize("name,engine_args", [SETTINGS[0], SETTINGS[2]], ids=["waited", "ngram_speculation"])
+def test_a_row_with_no_token_left_among_drafts_keeps_the_tokens_before_it(name, engine_args,
+                                                                          model_path, reference):
+    """Drafts accepted ahead of a row that has no token left stand; the request ends at that
+    row with the same count as without drafts, and its tokens are transformers' choices."""
+    tokenizer = load_tokenizer(model_path)
+    prompt = "the cat the cat the cat the cat the cat the"
+    allowed = tokenizer.encode(" the", add_special_tokens=False) + \
+        tokenizer.encode(" cat", add_special_tokens=False)
+    words = [" the the", " cat cat", " the cat the"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, allowed_token_ids=allowed,
+                            bad_words=words)
+    with LLM(model_path, **{"max_model_len": 256, "block_size": 16, "num_kv_blocks": 32,
+                            **engine_args}) as llm:
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        stats = llm.engine.core.get_stats()
+        llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+    want = _constrained_greedy(reference(model_path).model, tokenizer.encode(prompt), allowed,
+                               [tokenizer.encode(w, add_special_tokens=False) for w in words])
+    assert 1 < len(want) < MAX_TOKENS
+    assert list(out.token_ids) == want and out.finish_reason == "error", out
+    assert out.stop_reason.startswith(f"no token can be sampled after {len(want)} output token(s)")
+    if name == "ngram_speculation":
+        assert stats.spec_decoding.num_accepted_tokens > 0

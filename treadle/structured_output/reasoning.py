@@ -16,6 +16,8 @@ a model that spells the end tag in other tokens keeps thinking.
 
 from __future__ import annotations
 
+import torch
+
 from treadle.structured_output.backend import Matcher
 
 # Each parser's (start tag, end tag).
@@ -61,6 +63,9 @@ class AfterReasoning:
         self.matcher = matcher
         self.end = end
         self.recent: list[int] = []   # the output's last len(end) - 1 tokens: a tag's start
+        # The grammar's first mask, once worker/grammar.py has filled it: a single-token tag
+        # may end the reasoning at any step, and the mask is the same each time.
+        self.first_mask: torch.Tensor | None = None
 
     def completed_at(self, tokens: list[int]) -> int | None:
         """The index of the token of `tokens` (following what was fed) that completes the end."""

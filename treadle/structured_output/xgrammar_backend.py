@@ -69,11 +69,10 @@ class XgrammarBackend(GrammarBackend):
             raise GrammarError(f"invalid structured_outputs.{params.kind}: {engine_message(e)}") from None
 
     def matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]) -> Matcher:
-        # Its own stop ids (the tokenizer's without any) only fill its masks: StopIds rewrites
-        # their bits, and no stop id reaches its accept_token.
+        # Its stop ids (the tokenizer's, without any) only fill its masks: StopIds rewrites their
+        # bits, and no stop id reaches its accept_token.
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
-        return XgrammarMatcher(matcher, StopIds(stop_token_ids or matcher.stop_token_ids,
-                                                matcher.stop_token_ids, self.vocab_size))
+        return XgrammarMatcher(matcher, StopIds(matcher.stop_token_ids, (), self.vocab_size))
 
 
 class XgrammarMatcher(StopIdMatcher):

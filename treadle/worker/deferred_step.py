@@ -11,9 +11,9 @@ the host (`finish`, the step's one sync, with its logprobs and prompt logprobs) 
 placeholders, except in slots whose request left meanwhile (`drop`): a new tenant's tokens are
 its own. Grammar matchers advance there too; a step with a constrained request needs its mask,
 so it finishes N after its own forward pass is queued and before it samples (not for a grammar
-still waiting for the end of the reasoning: worker/grammar.py masks its row on the device). The executor hands
-the engine N's output when finished (executor/uniproc.py's StepFuture); everything runs on the
-worker thread. Steps that verify drafts are never deferred: the proposer reads host tokens.
+still waiting for the end of the reasoning: worker/grammar.py masks its row on the device).
+The executor hands the engine N's output when finished (executor/uniproc.py's StepFuture);
+everything runs on the worker thread. Steps that verify drafts are never deferred: the proposer reads host tokens.
 """
 
 from __future__ import annotations

@@ -105,6 +105,7 @@ class GrammarMatchers:
         verification stops at that draft, so their samples are never kept."""
         matchers: list[Matcher | None] = []
         ends_on_device: dict[int, tuple[int, int, int]] = {}   # row: (slot, position, token)
+        first_masks: dict[int, AfterReasoning] = {}   # row: the grammar whose first mask it takes
         first = 0
         for s, d in zip(slot_ids, drafts):
             matcher = self.slots.grammar[s]
@@ -112,7 +113,8 @@ class GrammarMatchers:
                 if (end := self._ends_on_device(int(s), matcher)) is not None:
                     assert not d, "steps verifying drafts read no token on the device"
                     ends_on_device[first] = (int(s), *end)
-                    matcher = matcher.matcher   # at the grammar's start: its first mask
+                    first_masks[first] = matcher
+                    matcher = matcher.matcher   # at the grammar's start
                 else:
                     matcher = None
             matchers.append(matcher)
@@ -123,8 +125,14 @@ class GrammarMatchers:
         rows: list[int] = []
         first = 0
         for matcher, d in zip(matchers, drafts):
+            if (waiting := first_masks.get(first)) is not None:
+                if waiting.first_mask is None:
+                    waiting.first_mask = self.backend.allocate_bitmask(1)
+                    matcher.fill_bitmask(waiting.first_mask, 0)
+                bitmask[first] = waiting.first_mask[0]
+                rows.append(first)
             # A terminated matcher (EOS accepted, its request ending): an async step's leftover.
-            if matcher is not None and not matcher.is_terminated():
+            elif matcher is not None and not matcher.is_terminated():
                 k = matcher.valid_prefix(d)
                 for j in range(k + 1):
                     matcher.fill_bitmask(bitmask, first + j)
@@ -156,6 +164,8 @@ class GrammarMatchers:
         if matcher is None or matcher.is_terminated():
             return None
         for i, t in enumerate(token_ids):
+            if matcher.is_terminated():
+                break   # an accepted draft stopped it: the scheduler ends the output there
             if not matcher.accept(t):
                 self.slots.grammar[slot] = None
                 return self._refusal(slot, matcher, t, position + i)

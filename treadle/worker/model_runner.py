@@ -407,15 +407,19 @@ class ModelRunner(WeightControls):
             accepted = 0
             while accepted < len(d) and tokens[pos + accepted] == d[accepted]:
                 accepted += 1
-            out_tokens.append(tokens[pos:pos + accepted + 1])
+            keep = accepted + 1
+            # A row with no token left past the first: the accepted drafts before it stand, and
+            # the next step's first row, the same row, ends the request.
+            dead = next((j for j in range(keep) if pos + j in ruled_out), None)
+            keep = keep if dead is None else max(dead, 1)
+            out_tokens.append(tokens[pos:pos + keep])
             position = int(self.slots.num_tokens[slot])
-            if dead := [j for j in range(accepted + 1) if pos + j in ruled_out]:
-                errors[int(slot)] = ruled_out_error(
-                    position + dead[0] - int(self.slots.num_prompt_tokens[slot]))
+            if dead == 0:
+                errors[int(slot)] = ruled_out_error(position - int(self.slots.num_prompt_tokens[slot]))
                 self.slots.grammar[slot] = None   # as after a refusal: its tokens are dropped
             elif (error := self.grammars.accept(int(slot), out_tokens[-1], position)) is not None:
                 errors[int(slot)] = error
-            lps = token_lps[pos:pos + accepted + 1]
+            lps = token_lps[pos:pos + keep]
             out_lps.append(None if lps[0] is None else lps)
             pos += len(d) + 1
         return out_tokens, out_lps, errors

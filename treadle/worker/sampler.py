@@ -123,7 +123,8 @@ class SamplerOutput:
         if self.logprobs is None:
             return tokens, [None] * len(tokens)
         out: list[TokenLogprobs | None] = [None] * len(tokens)
-        for i, lp in zip(self.logprob_rows, self.logprobs.to_lists(host[1:6])):
+        lp_host = host[1:1 + len(self.logprobs.tensors())]
+        for i, lp in zip(self.logprob_rows, self.logprobs.to_lists(lp_host)):
             out[i] = lp
         return tokens, out
 

@@ -158,7 +158,9 @@ def test_gather_buffer_grows_and_is_reused():
 @needs_packing
 def test_model_load_weights_through_collective_rpc_repacks(tiny_checkpoints):
     """RL frameworks load weights from a worker-side function; the packed GEMMs follow."""
-    llm = LLM(tiny_checkpoints["qwen2"], block_size=16, num_kv_blocks=64)
+    # A step budget of 128 (the prompt is 6 tokens): the untied head's GEMM (49,152 rows) is
+    # warmed only up to it at start-up.
+    llm = LLM(tiny_checkpoints["qwen2"], block_size=16, num_kv_blocks=64, max_num_batched_tokens=128)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [{"prompt_token_ids": [7, 11, 13, 17, 19, 23]}]
     before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -328,7 +330,9 @@ def test_engine_runs_the_kernels_unless_switched_off(tiny_checkpoints, monkeypat
     runs = {}
     for switch in ("1", "0"):
         monkeypatch.setenv("TREADLE_CPU_KERNELS", switch)
-        llm = LLM(tiny_checkpoints["qwen2"], block_size=16, num_kv_blocks=64)
+        # The prompts (62 tokens) fit one step of 128 as they did the default 2,048; the untied
+        # head's GEMM (49,152 rows) is warmed only up to the budget at start-up.
+        llm = LLM(tiny_checkpoints["qwen2"], block_size=16, num_kv_blocks=64, max_num_batched_tokens=128)
         runner = llm.engine.core.executor.worker.runner
         assert runner.native_kernels == (switch == "1")
         assert runner.attention.name == ("cpu" if switch == "1" else "torch")

@@ -27,9 +27,11 @@ BACKENDS = {
 
 def start(path: str, backend: str) -> Executor:
     # A byte budget, not a block count: the stages hold 2 and 1 of the 3 layers, so each
-    # rank could hold a different number of blocks.
+    # rank could hold a different number of blocks. A step budget of max_model_len, not the
+    # default 2,048: no step runs here, and a last stage warms its head's GEMM (the tied
+    # embedding's copy, 49,152 rows) up to the budget at start-up.
     config = EngineArgs(path, block_size=16, kv_cache_memory_bytes=1 << 20, max_model_len=256,
-                        **BACKENDS[backend]).create_config()
+                        max_num_batched_tokens=256, **BACKENDS[backend]).create_config()
     return create_executor(config)
 
 

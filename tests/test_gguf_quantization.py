@@ -154,8 +154,11 @@ def _stage_copies(worker) -> tuple[bool, int, bool]:
 
 @needs_kernels
 def test_two_pipeline_stages_read_their_own_layers_blocks(smollm2_path, reference):
+    # A step budget of max_model_len (the default is 2,048), as one prompt never needs more: the
+    # last stage warms its head's GEMM (49,152 x 576, a Linear there) at every row count up to
+    # the budget at start-up, which at 2,048 rows was most of this test's time.
     llm = LLM(smollm2_path, quantization="gguf", dtype="float32", max_model_len=256, block_size=16,
-              num_kv_blocks=64, pipeline_parallel_size=2)
+              num_kv_blocks=64, pipeline_parallel_size=2, max_num_batched_tokens=256)
     try:
         # 15 layers of 4 linears each; the last stage's tied head (its own copy of the
         # embedding, a Linear) reads the embedding's Q8_0 blocks, and only it scores.

@@ -22,6 +22,10 @@ from treadle.kv_transfer.aggregate import KVOutputAggregator
 from treadle.models.loader import load_tokenizer
 
 LAYOUTS = {"pp2": {"pipeline_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
+# Every test's prompts (at most 168 tokens in all) fit one step of 256 tokens, as they did the
+# default 2,048: each rank warms its GEMMs up to the budget at start-up, and a last stage's head
+# (the tied embedding's copy, 49,152 rows) took most of a two-stage engine's start at 2,048.
+STEP_BUDGET = {"max_num_batched_tokens": 256}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def test_each_rank_moves_its_part_and_a_failure_on_one_rank_cuts_back(
     expected = [ref.greedy(p, MAX_TOKENS) for p in prompts]
     long = prompts[0]
     with LLM(llama, block_size=BLOCK, num_kv_blocks=64, distributed_executor_backend="mp",
-             kv_transfer_config=config, **LAYOUTS[layout]) as llm:
+             kv_transfer_config=config, **LAYOUTS[layout], **STEP_BUDGET) as llm:
         assert [o.outputs[0].token_ids for o in run(llm, prompts)] == expected
         # Each block is stored as two parts, one per rank, under names of their own.
         if connector in ("redis", "multi"):
@@ -93,7 +97,8 @@ def test_each_rank_moves_its_part_and_a_failure_on_one_rank_cuts_back(
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_block_missing_one_ranks_part_is_a_miss(llama, reference, prompts, tmp_path, layout):
     with LLM(llama, block_size=BLOCK, num_kv_blocks=64, distributed_executor_backend="mp",
-             kv_transfer_config=kv_config(tmp_path, "kv_both"), **LAYOUTS[layout]) as llm:
+             kv_transfer_config=kv_config(tmp_path, "kv_both"), **LAYOUTS[layout],
+             **STEP_BUDGET) as llm:
         run(llm, [prompts[0]])
         files = sorted(tmp_path.glob("*.kv"))
         parts = {f.name.split(".", 1)[1] for f in files}
@@ -173,7 +178,7 @@ def test_failures_at_30_percent_on_one_rank_stay_exact(llama, llama_tp3, referen
     ref = reference(model)
     expected = [ref.greedy(p, MAX_TOKENS) for p in texts]
     with LLM(model, block_size=BLOCK, num_kv_blocks=64, distributed_executor_backend="mp",
-             kv_transfer_config=kv, **ranks) as llm:
+             kv_transfer_config=kv, **ranks, **STEP_BUDGET) as llm:
         assert [o.outputs[0].token_ids for o in run(llm, texts)] == expected
         if connector == "redis":
             llm.collective_rpc(flush_redis)

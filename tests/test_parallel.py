@@ -31,6 +31,11 @@ from treadle.models.loader import load_tokenizer
 # 14 blocks of 16 cannot hold five requests at full length, so some are preempted.
 TINY_ARGS = {"max_num_batched_tokens": 16, "block_size": 16, "num_kv_blocks": 14, "max_num_seqs": 5}
 MAX_TOKENS = 24
+# For the tests that take whole prompts in a step: the few prompts here (99 tokens at most, all
+# of TEXTS) fit one step of 256 tokens, as they did the default 2,048. Each rank warms its GEMMs
+# up to the budget at start-up, and a last stage's head (the tied embedding's copy, 49,152 rows)
+# made most of a two-stage engine's start at 2,048.
+STEP_BUDGET = 256
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -220,7 +225,8 @@ def test_weight_updates_reach_every_shard_or_none(tiny_checkpoints, reference, p
     overrides = [(name, weights[name] + 0.05 * torch.randn(weights[name].shape, generator=gen))
                  for name in ("model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight")]
     prompts = token_ids(path)[:3]
-    with LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, block_size=16, num_kv_blocks=64) as llm:
+    with LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, block_size=16, num_kv_blocks=64,
+             max_num_batched_tokens=STEP_BUDGET) as llm:
         assert llm.update_weights(overrides) == 2
         bad = [("model.layers.1.mlp.up_proj.weight", weights["model.layers.0.mlp.up_proj.weight"]),
                ("model.layers.2.mlp.down_proj.weight", torch.zeros(64, 130))]
@@ -238,7 +244,8 @@ def test_weight_updates_reach_every_shard_or_none(tiny_checkpoints, reference, p
 # -- faults ----------------------------------------------------------------------------------------
 def test_a_killed_worker_ends_every_request_with_an_error(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
-    engine = AsyncLLM(path, pipeline_parallel_size=2, block_size=16, num_kv_blocks=64)
+    engine = AsyncLLM(path, pipeline_parallel_size=2, block_size=16, num_kv_blocks=64,
+                      max_num_batched_tokens=STEP_BUDGET)
     pids = [p.pid for p in engine.core.executor.procs]
 
     async def body():
@@ -279,7 +286,8 @@ def test_serve_with_two_stages_and_a_worker_killed(tiny_checkpoints, reference, 
 
     path = tiny_checkpoints["llama"]
     ids = token_ids(path)[0]
-    srv = Server(path, tmp_path, "--pipeline-parallel-size", "2", "--async-scheduling")
+    srv = Server(path, tmp_path, "--pipeline-parallel-size", "2", "--async-scheduling",
+                 "--max-num-batched-tokens", str(STEP_BUDGET))
     try:
         client = srv.client()
         out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
@@ -386,7 +394,8 @@ def test_workers_exit_when_their_parent_is_killed(tiny_checkpoints, tmp_path):
         import sys, time
         from treadle import LLM
         if __name__ == "__main__":
-            llm = LLM({tiny_checkpoints["llama"]!r}, pipeline_parallel_size=2, block_size=16, num_kv_blocks=32)
+            llm = LLM({tiny_checkpoints["llama"]!r}, pipeline_parallel_size=2, block_size=16, num_kv_blocks=32,
+                      max_num_batched_tokens={STEP_BUDGET})
             executor = llm.engine.core.executor
             print(executor._ipc_dir, *(p.pid for p in executor.procs), flush=True)
             time.sleep(600)

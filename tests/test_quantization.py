@@ -156,8 +156,10 @@ def test_int8_two_stages_equal_transformers_on_the_dequantized_weights(tiny_chec
     reference = HFReference(path, [(name, _dequantized(w)) for name, w in weights.items()
                                    if w.dim() == 2 and w.shape[1] % INT8_GROUP == 0])
     prompts = [list(range(10, 10 + n)) for n in (7, 40)]
+    # A step budget of max_model_len (both prompts fit one step, as in the default 2,048): the
+    # last stage warms its head's GEMM (49,152 rows) up to the budget at start-up.
     with LLM(path, quantization="int8", pipeline_parallel_size=2, max_model_len=128,
-             block_size=16, num_kv_blocks=32) as llm:
+             max_num_batched_tokens=128, block_size=16, num_kv_blocks=32) as llm:
         first, last = llm.collective_rpc(_tied_rows)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

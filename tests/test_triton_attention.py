@@ -137,13 +137,16 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
     the same buffers run eagerly on the CPU (a test's stand-in: no graph exists there). All
     prompts at once (3 decodes padded to 4), then each alone (1). `deferred`: async scheduling,
     each step's input tokens taken on the device from the step before (worker/deferred_step.py;
-    on CUDA the executor defers by itself)."""
+    on CUDA the executor defers by itself). A budget of 128 tokens still prefills all prompts
+    (at most 71 tokens here) in one step, as the default 2,048 did, and spares the CPU warming
+    the untied head's GEMMs (49,152 rows) up to 2,048 rows at start-up."""
     from treadle import LLM, SamplingParams
     from treadle.worker.cuda_graphs import DecodeGraphs
     from treadle.worker.deferred_step import DeferredStep
 
     with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
-             block_size=BLOCK_SIZE, max_num_seqs=8, async_scheduling=deferred) as llm:
+             block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=128,
+             async_scheduling=deferred) as llm:
         runner = llm.engine.core.executor.worker.runner
         if device_name == "cpu":
             runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
@@ -338,28 +341,6 @@ def _check_engine(result: dict, path: str, prompts, follow_up, max_tokens: int, 
     assert result["drafts"] > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_the_engine_on_the_interpreter_matches_transformers(tiny_checkpoints, reference, arch):
-    path = tiny_checkpoints[arch]
-    prompts, follow_up = _engine_prompts(path)
-    [result] = _interpreted([("run_engine", [path, prompts, follow_up, 10, "cpu"])])
-    _check_engine(result, path, prompts, follow_up, 10, reference)
-
-
-def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, reference):
-    """The persistent buffers and padding of CUDA graphs, run eagerly under the interpreter."""
-    path = tiny_checkpoints["qwen3"]
-    prompts = _engine_prompts(path)[0]
-    [eager, deferred] = _interpreted([("run_engine_on_graph_buffers", [path, prompts, 8, "cpu"]),
-                                      ("run_engine_on_graph_buffers", [path, prompts, 8, "cpu", True])])
-    want = [reference(path).greedy(p, 8) for p in prompts]
-    for result in (eager, deferred):
-        assert result["together"] == want and result["alone"] == want
-        assert result["graph_steps"] >= 3 * 7   # the decode steps of the runs alone, at least
-    # Deferred: each decode's input token was put into the graph's buffer on the device.
-    assert eager["deferred_steps"] == 0 and deferred["deferred_steps"] >= 3 * 7
-
-
 def _arrival_prompts() -> tuple[list[list[int]], list[list[int]]]:
     gen = torch.Generator().manual_seed(9)
     stale = [[21, 22, 23, 24] * 6, torch.randint(100, 30000, (20,), generator=gen).tolist(),
@@ -369,12 +350,51 @@ def _arrival_prompts() -> tuple[list[list[int]], list[list[int]]]:
     return stale, arrivals
 
 
+@pytest.fixture(scope="module")
+def interpreted_engines(tiny_checkpoints, tmp_path_factory) -> dict:
+    """Every whole-engine run under the interpreter, one engine after another (each closed
+    before the next starts) in one interpreter process, as `interpreted_kernels`: a fresh
+    Python costs its imports of torch, Triton and transformers each time."""
+    calls = {arch: ("run_engine", [tiny_checkpoints[arch], *_engine_prompts(tiny_checkpoints[arch]),
+                                   10, "cpu"])
+             for arch in ("llama", "qwen3")}
+    qwen3 = tiny_checkpoints["qwen3"]
+    calls["graph_eager"] = ("run_engine_on_graph_buffers", [qwen3, _engine_prompts(qwen3)[0], 8, "cpu"])
+    calls["graph_deferred"] = ("run_engine_on_graph_buffers",
+                               [qwen3, _engine_prompts(qwen3)[0], 8, "cpu", True])
+    calls["arrivals"] = ("run_connector_arrivals",
+                         [tiny_checkpoints["llama"], str(tmp_path_factory.mktemp("arrivals")),
+                          *_arrival_prompts(), 10, "cpu"])
+    return dict(zip(calls, _interpreted(list(calls.values()))))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_engine_on_the_interpreter_matches_transformers(tiny_checkpoints, reference,
+                                                            interpreted_engines, arch):
+    path = tiny_checkpoints[arch]
+    prompts, follow_up = _engine_prompts(path)
+    _check_engine(interpreted_engines[arch], path, prompts, follow_up, 10, reference)
+
+
+def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, reference,
+                                                              interpreted_engines):
+    """The persistent buffers and padding of CUDA graphs, run eagerly under the interpreter."""
+    path = tiny_checkpoints["qwen3"]
+    prompts = _engine_prompts(path)[0]
+    eager, deferred = interpreted_engines["graph_eager"], interpreted_engines["graph_deferred"]
+    want = [reference(path).greedy(p, 8) for p in prompts]
+    for result in (eager, deferred):
+        assert result["together"] == want and result["alone"] == want
+        assert result["graph_steps"] >= 3 * 7   # the decode steps of the runs alone, at least
+    # Deferred: each decode's input token was put into the graph's buffer on the device.
+    assert eager["deferred_steps"] == 0 and deferred["deferred_steps"] >= 3 * 7
+
+
 def test_connector_arrivals_in_reused_slots_match_transformers(tiny_checkpoints, reference,
-                                                              tmp_path):
+                                                              interpreted_engines):
     path = tiny_checkpoints["llama"]
-    stale, arrivals = _arrival_prompts()
-    [result] = _interpreted([("run_connector_arrivals",
-                              [path, str(tmp_path), stale, arrivals, 10, "cpu"])])
+    arrivals = _arrival_prompts()[1]
+    result = interpreted_engines["arrivals"]
     assert result["tokens"] == [reference(path).greedy(p, 10) for p in arrivals]
     assert result["loaded_blocks"] >= 4 and all(c > 0 for c in result["cached"])
     assert result["drafts"] > 0

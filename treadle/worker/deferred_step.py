@@ -13,7 +13,8 @@ its own. Grammar matchers advance there too; a step with a constrained request n
 so it finishes N after its own forward pass is queued and before it samples (not for a grammar
 still waiting for the end of the reasoning: worker/grammar.py masks its row on the device).
 The executor hands the engine N's output when finished (executor/uniproc.py's StepFuture);
-everything runs on the worker thread. Steps that verify drafts are never deferred: the proposer reads host tokens.
+everything runs on the worker thread. Steps that verify drafts are never deferred: the proposer
+reads host tokens.
 """
 
 from __future__ import annotations

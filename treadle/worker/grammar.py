@@ -87,8 +87,7 @@ class GrammarMatchers:
         """Whether any of these slots' next mask needs its last token on the host: a matcher
         advances there. A grammar still waiting for the end of the reasoning does not: whether
         that token ends it is checked on the device (`bitmask`)."""
-        return any(self.slots.grammar[int(s)] is not None
-                   and not isinstance(self.slots.grammar[int(s)], AfterReasoning) for s in slot_ids)
+        return any(isinstance(self.slots.grammar[int(s)], Matcher) for s in slot_ids)
 
     def _ends_on_device(self, slot: int, waiting: AfterReasoning) -> tuple[int, int] | None:
         """(position, token) where the slot's last token is still on the device and ends the
@@ -104,16 +103,15 @@ class GrammarMatchers:
         constrained. Rows past a request's first draft the grammar refuses stay free:
         verification stops at that draft, so their samples are never kept."""
         matchers: list[Matcher | None] = []
-        ends_on_device: dict[int, tuple[int, int, int]] = {}   # row: (slot, position, token)
-        first_masks: dict[int, AfterReasoning] = {}   # row: the grammar whose first mask it takes
+        # row: the waiting grammar whose first mask it takes, and (slot, position, token)
+        ends_on_device: dict[int, tuple[AfterReasoning, int, int, int]] = {}
         first = 0
         for s, d in zip(slot_ids, drafts):
             matcher = self.slots.grammar[s]
             if isinstance(matcher, AfterReasoning):
                 if (end := self._ends_on_device(int(s), matcher)) is not None:
                     assert not d, "steps verifying drafts read no token on the device"
-                    ends_on_device[first] = (int(s), *end)
-                    first_masks[first] = matcher
+                    ends_on_device[first] = (matcher, int(s), *end)
                     matcher = matcher.matcher   # at the grammar's start
                 else:
                     matcher = None
@@ -125,7 +123,8 @@ class GrammarMatchers:
         rows: list[int] = []
         first = 0
         for matcher, d in zip(matchers, drafts):
-            if (waiting := first_masks.get(first)) is not None:
+            if first in ends_on_device:
+                waiting = ends_on_device[first][0]
                 if waiting.first_mask is None:
                     waiting.first_mask = self.backend.allocate_bitmask(1)
                     matcher.fill_bitmask(waiting.first_mask, 0)
@@ -148,7 +147,7 @@ class GrammarMatchers:
         if not rows:
             return None
         return GrammarMask(bitmask[rows], rows,
-                           [(i, *ends_on_device[r]) for i, r in enumerate(rows) if r in ends_on_device])
+                           [(i, *ends_on_device[r][1:]) for i, r in enumerate(rows) if r in ends_on_device])
 
     def accept(self, slot: int, token_ids: list[int], position: int) -> str | None:
         """Advance a slot's matcher past its accepted tokens, the first of them at `position`

@@ -10,6 +10,7 @@ import torch
 
 from hypothesis import settings
 
+from tests.gpu import GPU_SHARE
 from tests.reference import HFReference
 from tests.tiny_models import make_tiny_checkpoint
 from treadle.models.loader import default_model_path, iter_hf_weights
@@ -100,3 +101,19 @@ def _reference(path: str) -> HFReference:
 def reference():
     """reference(path) -> HFReference for that model, built once per session."""
     return _reference
+
+
+# Engine arguments per device, for a test that runs on the CPU and, marked gpu, on CUDA too (it
+# takes the `on_device` fixture). On CUDA: the triton kernels in fp32, exact against
+# transformers, and a small share of the GPU, which several test processes (xdist) share.
+ENGINE_ARGS_ON = {
+    "cpu": {},
+    "cuda": {"device": "cuda", "attention_backend": "triton", "dtype": "float32",
+             "gpu_memory_utilization": GPU_SHARE},
+}
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def on_device(request) -> dict:
+    """The engine arguments for the device this case runs on (ENGINE_ARGS_ON)."""
+    return ENGINE_ARGS_ON[request.param]

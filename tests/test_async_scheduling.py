@@ -15,11 +15,11 @@ from treadle import LLM, AsyncLLM, SamplingParams
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 32},
                                     {"block_size": 8, "num_kv_blocks": 12, "max_num_batched_tokens": 32}])
-def test_tiny_models_async_match_transformers(tiny_checkpoints, reference, arch, config):
+def test_tiny_models_async_match_transformers(tiny_checkpoints, reference, arch, config, on_device):
     path = tiny_checkpoints[arch]
-    llm = LLM(path, async_scheduling=True, **config)
-    assert_matches_reference(llm, reference(path), prompt_ids(llm), max_tokens=40)
-    assert llm.engine.core.scheduler.num_in_flight_tokens() == 0
+    with LLM(path, async_scheduling=True, **config, **on_device) as llm:
+        assert_matches_reference(llm, reference(path), prompt_ids(llm), max_tokens=40)
+        assert llm.engine.core.scheduler.num_in_flight_tokens() == 0
 
 
 def run_with_resets(llm: LLM, prompts: list[list[int]], max_tokens: int, reset_at: set[int],
@@ -55,13 +55,13 @@ def run_with_resets(llm: LLM, prompts: list[list[int]], max_tokens: int, reset_a
 
 @pytest.mark.parametrize("async_scheduling,drain", [(False, True), (True, True), (True, False)])
 def test_reset_running_requests_mid_run_is_token_exact(tiny_checkpoints, reference, async_scheduling,
-                                                       drain):
+                                                       drain, on_device):
     path = tiny_checkpoints["qwen3"]
-    llm = LLM(path, async_scheduling=async_scheduling, max_num_batched_tokens=32)
-    prompts = prompt_ids(llm)
-    got = run_with_resets(llm, prompts, 30, reset_at={1, 4, 5, 17, 30}, drain=drain)
-    assert got == [reference(path).greedy(p, 30) for p in prompts]
-    assert llm.engine.core.scheduler.num_preemptions >= 3 * len(prompts)
+    with LLM(path, async_scheduling=async_scheduling, max_num_batched_tokens=32, **on_device) as llm:
+        prompts = prompt_ids(llm)
+        got = run_with_resets(llm, prompts, 30, reset_at={1, 4, 5, 17, 30}, drain=drain)
+        assert got == [reference(path).greedy(p, 30) for p in prompts]
+        assert llm.engine.core.scheduler.num_preemptions >= 3 * len(prompts)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from treadle import LLM
-from treadle.attention.backend import BACKENDS, create_attention_backend
+from treadle.attention.backend import BACKENDS, auto_backend_name, create_attention_backend
 from treadle.attention.cpu_backend import CpuKernelBackend, CpuKernelMetadata
 from treadle.attention.torch_backend import TorchBackend, TorchMetadata
 from treadle.config import EngineArgs
@@ -25,6 +25,19 @@ from tests.test_correctness import assert_matches_reference, prompt_ids
 def test_the_kernels_serve_the_cpu_unless_torch_is_named():
     assert isinstance(create_attention_backend(None, CPU, 16), CpuKernelBackend)
     assert isinstance(create_attention_backend("torch", CPU, 16), TorchBackend)
+
+
+def test_the_best_backend_on_a_gpu_is_triton_where_it_runs(monkeypatch):
+    """Triton with its decode CUDA graphs is the GPU engine (on an H200: docs/performance.md,
+    "On a GPU"); plain torch where Triton cannot run. The interpreter, which runs Triton on a
+    CPU, never takes a CPU's default."""
+    from treadle.attention.triton_backend import TritonBackend
+
+    monkeypatch.setattr(TritonBackend, "unavailable", classmethod(lambda cls, device: None))
+    assert auto_backend_name(torch.device("cuda")) == "triton"
+    assert auto_backend_name(CPU) in ("cpu", "torch")
+    monkeypatch.setattr(TritonBackend, "unavailable", classmethod(lambda cls, device: "none"))
+    assert auto_backend_name(torch.device("cuda")) == "torch"
 
 
 def test_a_backend_that_cannot_run_is_refused_by_name():

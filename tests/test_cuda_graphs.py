@@ -4,10 +4,14 @@ interpreter (tests/test_triton_attention.py), and the captured graphs on a GPU (
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
+from tests.gpu import GPU_SHARE
 from treadle import LLM
 from treadle.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
@@ -79,22 +83,29 @@ def test_no_graphs_where_they_cannot_serve(llama, args):
 # -- on a GPU --------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_graphs_follow_sleep_and_weight_updates(tiny_checkpoints):
-    """After sleep and wake_up (cache and weights given new memory) the graphs are captured
-    again; after a weight update, a replay computes with the new weights."""
+    """Sleep gives the device back the KV cache and the graphs that read it; after wake_up
+    (cache and weights given new memory) the graphs are captured again; after a weight update,
+    a replay computes with the new weights."""
     from tests.family_support import PretrainedReference, greedy_ids
 
     path = tiny_checkpoints["qwen3"]
     prompts = [[5, 6, 7, 8, 9], list(range(100, 140))]
     with LLM(path, device="cuda", attention_backend="triton", dtype="float32", block_size=16,
-             max_num_seqs=4) as llm:
+             max_num_seqs=4, gpu_memory_utilization=GPU_SHARE) as llm:
         runner = llm.engine.core.executor.worker.runner
         want = [PretrainedReference(path).greedy(p, 16) for p in prompts]
         assert greedy_ids(llm, prompts, 16) == want
-        first = runner.graphs
+        # Weak references only: holding the old graphs would hold the cache they read (the
+        # first run of this test on an H200 did, and wake_up found no memory for a new one).
+        held = [weakref.ref(t) for t in [runner.graphs, *runner.kv_caches]]
+        cache_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
         llm.sleep(level=1)
         assert runner.graphs is None
+        gc.collect()
+        assert all(ref() is None for ref in held), "the graphs or a KV cache tensor outlived sleep"
+        assert torch.cuda.memory_reserved() < cache_bytes / 10
         llm.wake_up()
-        assert runner.graphs is not None and runner.graphs is not first
+        assert runner.graphs is not None
         assert greedy_ids(llm, prompts, 16) == want
         name = "model.layers.1.mlp.down_proj.weight"
         weight = dict(runner.model.named_parameters())[name].detach().cpu()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.engine.detokenizer import IncrementalDetokenizer, rust_decode
 from treadle.models.loader import load_tokenizer, prepare_model
 from treadle.sampling_params import SamplingParams
 
@@ -313,3 +315,23 @@ def test_prompt_context_keeps_the_space_a_sentencepiece_decoder_strips():
     detok, deltas, _ = stream(tok, [0, 1], [2, 3, 4])
     assert "".join(deltas) == " world! again"
     assert tok.decode([2, 3, 4]) == "world! again"   # what decoding the output alone gives
+
+
+def test_the_rust_decode_serves_only_where_transformers_would_call_it_alone(tok):
+    """The Rust tokenizer's decode is taken for a plain fast tokenizer (the properties above
+    hold it to transformers' decode); a class with a `_decode` of its own keeps the wrapper."""
+    assert rust_decode(tok) is not None
+    assert IncrementalDetokenizer(tok, [], SamplingParams())._rust_decode is not None
+
+    class Own(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return "own"
+
+    own = copy.copy(tok)
+    own.__class__ = Own
+    assert rust_decode(own) is None
+    _, deltas, _ = stream(own, [], [1000, 1001])
+    # Own._decode ran (every window decodes to "own", so no text is new); the Rust decode
+    # would have given the two tokens' text.
+    assert "".join(deltas) == ""
+    assert rust_decode(_SentencePieceLike()) is None

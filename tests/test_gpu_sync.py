@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.family_support import PretrainedReference
+from tests.gpu import GPU_SHARE
 from treadle import LLM, SamplingParams
 from treadle.device_copy import sanctioned_sync, to_device, to_host
 
@@ -47,7 +48,8 @@ def run(path: str, device: str, backend: str, strict: bool, deferred: bool = Fal
     step's tokens left on the device until the next step is queued (worker/deferred_step.py:
     the penalties count them there)."""
     with LLM(path, device=device, attention_backend=backend, dtype="float32", block_size=16,
-             max_num_seqs=8, max_num_batched_tokens=32, async_scheduling=deferred) as llm:
+             max_num_seqs=8, max_num_batched_tokens=32, async_scheduling=deferred,
+             gpu_memory_utilization=GPU_SHARE) as llm:
         runner = llm.engine.core.executor.worker.runner
         assert runner.allow_deferred_steps() if deferred else not runner.defer_steps
         execute = runner.execute_model

@@ -85,6 +85,7 @@ def test_on_a_gpu_the_kv_cache_takes_what_the_share_leaves(llama, caplog):
     free, total = torch.cuda.mem_get_info()
     with caplog.at_level(logging.INFO, logger="treadle.worker.memory_profile"):
         with LLM(llama, device="cuda", dtype="float32", gpu_memory_utilization=0.5) as llm:
+            assert llm.engine.core.executor.worker.runner.attention.name == "triton"   # the default
             blocks = llm.engine.core.executor.num_blocks
             per_block = llm.engine.config.cache.bytes_per_block(llm.engine.config.model)
             out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],

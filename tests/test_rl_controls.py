@@ -166,7 +166,7 @@ def test_pause_wait_lets_requests_finish(llama, reference, prompts, k, async_sch
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("k", [1, 5])
 def test_pause_keep_freezes_and_resumes_token_exact(llama, reference, prompts, long_prompt, k,
-                                                    async_scheduling, clear_cache):
+                                                    async_scheduling, clear_cache, on_device):
     ref = reference(llama)
     counts: dict[str, int] = {}
     finished: set[str] = set()
@@ -206,7 +206,7 @@ def test_pause_keep_freezes_and_resumes_token_exact(llama, reference, prompts, l
         assert (preemptions > 0) if clear_cache else (preemptions == 0)
         assert_no_leaks(engine)
 
-    run_engine(llama, body, async_scheduling=async_scheduling)
+    run_engine(llama, body, async_scheduling=async_scheduling, **on_device)
 
 
 # -- pause: idempotent and concurrent ----------------------------------------------------

@@ -155,8 +155,10 @@ def count_decodes(query_lens: np.ndarray, context_lens: np.ndarray) -> int:
 
 
 def auto_backend_name(device: torch.device) -> str:
-    """The fastest backend that runs on `device`."""
-    return "cpu" if backend_class("cpu").unavailable(device) is None else "torch"
+    """The fastest backend that runs on `device`: the C++ kernels on a CPU, Triton on a GPU
+    (with its decode CUDA graphs: docs/performance.md, "On a GPU"), else plain torch."""
+    best = "triton" if device.type == "cuda" else "cpu"
+    return best if backend_class(best).unavailable(device) is None else "torch"
 
 
 def backend_class(name: str) -> type[AttentionBackend]:

@@ -16,6 +16,9 @@ at the end (a last token that is half a character), which is flushed when the re
 from __future__ import annotations
 
 import logging
+from typing import Callable
+
+from transformers import PreTrainedTokenizerFast
 
 from treadle.sampling_params import SamplingParams
 
@@ -23,6 +26,16 @@ logger = logging.getLogger(__name__)
 
 _PROMPT_CONTEXT = 5   # prompt tokens that seed the first window
 _REPLACEMENT = "\ufffd"
+
+
+def rust_decode(tokenizer) -> Callable[..., str] | None:
+    """The Rust tokenizer's own decode, where transformers' decode without clean-up would only
+    call it: a fast tokenizer whose class keeps the base `_decode` (fast tokenizers ignore
+    spaces_between_special_tokens). It costs a third of the wrapper's time per call (3.0 against
+    10.4 us, SmolLM2's tokenizer on a Zen 3), and a step pays two calls per request."""
+    if getattr(type(tokenizer), "_decode", None) is not PreTrainedTokenizerFast._decode:
+        return None
+    return tokenizer._tokenizer.decode
 
 
 class IncrementalDetokenizer:
@@ -36,6 +49,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.params = params
+        self._rust_decode = rust_decode(tokenizer)
         self.token_ids: list[int] = []      # output ids only, stop/EOS token included
         self._stop = list(params.stop or [])
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
@@ -67,6 +81,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of spaces: it rewrites text across token boundaries (" n't" -> "n't"), so
         # a window's text would stop being a prefix of the next window's.
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.params.skip_special_tokens,
             spaces_between_special_tokens=self.params.spaces_between_special_tokens,

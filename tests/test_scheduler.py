@@ -177,6 +177,31 @@ def test_fcfs_preempts_the_latest_arrival_and_it_resumes_with_a_prefix_hit():
     runner.run()
 
 
+def test_blocks_filled_by_decoding_are_published_as_they_fill():
+    """Outputs enter the prefix cache a block at a time: a decode step that needs no new block
+    still publishes the block it completes (the allocator's fast path), and a later request
+    whose prompt is the prompt and those outputs hits every full block."""
+    sched = make_scheduler()
+    runner = FakeRunner(sched)
+    first = make_request("first", 4, max_tokens=13)
+    sched.add_request(first)
+    published = []
+    while sched.has_unfinished_requests():
+        runner.step()
+        if not first.is_finished:
+            assert sched.kv_cache.num_published_blocks(first) == first.num_computed_tokens // BS
+            published.append(sched.kv_cache.num_published_blocks(first))
+    assert sorted(set(published)) == [1, 2, 3]   # the 4th fills in its last step
+    # Its 16 computed tokens are 4 blocks, freed now and cached: a prompt of them and one more
+    # token hits all 4.
+    tokens = list(range(100, 104)) + [1000 + i for i in range(12)]
+    again = Request("again", tokens + [7], SamplingParams(max_tokens=1), eos_token_id=EOS,
+                    block_size=BS)
+    sched.add_request(again)
+    so = sched.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 16
+
+
 def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
     sched = make_scheduler(num_blocks=9, budget=64, policy="priority", max_num_seqs=2)
     runner = FakeRunner(sched)

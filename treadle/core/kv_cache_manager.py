@@ -186,6 +186,19 @@ class KVCacheManager:
         query are given back first, and again after a prefix hit (see the module's docstring).
         """
         rid = request.request_id
+        held = self.req_to_blocks.get(rid)
+        if (held is not None and new_computed_blocks is None and not num_external_tokens
+                and not self.has_windows):
+            total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            if all(len(blocks) * self.block_size >= total for blocks in held):
+                # Most decode steps: the blocks held have room already. What the full path
+                # below does then, without its lists: no block to take, only blocks to publish.
+                if self.enable_caching:
+                    num_full = min(total, request.num_tokens) // self.block_size
+                    num_full = min(num_full, self.held_from.get(rid, num_full))
+                    if num_full > self.num_cached_blocks.get(rid, 0):   # a block filled up
+                        self._publish(request, num_full)
+                return [[] for _ in held]
         hits = new_computed_blocks or [[] for _ in self.group_windows]
         assert len(hits) == self.num_groups
         num_computed = request.num_computed_tokens + num_new_computed_tokens

@@ -1,0 +1,80 @@
+"""The host's time per step at a large batch: a model too small to cost anything (Qwen3's
+architecture at hidden size 64), so that what a step costs is the engine's own Python and
+numpy: scheduling, input preparation, sampling, output processing. On a GPU this is the time
+the device waits for (docs/performance.md, "On a GPU": it sat idle 81-85% of decode steps).
+
+    python benchmarks/host_step.py [--requests 256] [--tokens 64]
+
+Prints ms per step of the whole run, then the parts, each timed around its call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.gpu.workloads import TINY, build_model, random_prompts  # noqa: E402
+from treadle import LLM, SamplingParams  # noqa: E402
+from treadle.core import kv_cache_manager, scheduler  # noqa: E402
+from treadle.engine import output_processor  # noqa: E402
+from treadle.worker import model_runner  # noqa: E402
+
+PARTS = [(scheduler.Scheduler, "schedule"), (kv_cache_manager.KVCacheManager, "allocate_slots"),
+         (model_runner.ModelRunner, "execute_model"), (model_runner.ModelRunner, "_forward"),
+         (model_runner.ModelRunner, "_queue_samples"), (model_runner, "sampling_rows"),
+         (model_runner.ModelRunner, "_update_slots"), (model_runner.ModelRunner, "_verify"),
+         (scheduler.Scheduler, "update_from_output"),
+         (output_processor.OutputProcessor, "process_outputs")]
+
+
+def timed_parts() -> collections.Counter:
+    """Wrap each part in a timer; returns the seconds each has taken so far."""
+    seconds: collections.Counter = collections.Counter()
+    for owner, name in PARTS:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*args, _fn=fn, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                seconds[_name] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    ns = parser.parse_args()
+    seconds = timed_parts()
+    with tempfile.TemporaryDirectory() as folder:
+        path = build_model("Qwen3", TINY, folder, torch.float32)
+        prompts = random_prompts(ns.requests, (20, 40), TINY["vocab_size"], seed=2)
+        params = SamplingParams(temperature=0.0, max_tokens=ns.tokens, ignore_eos=True)
+        with LLM(path, device="cpu", dtype="float32", max_num_seqs=ns.requests,
+                 attention_backend="torch") as llm:
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)
+            seconds.clear()
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            wall = time.perf_counter() - start
+    print(f"{ns.requests} requests x {ns.tokens} tokens: {wall / ns.tokens * 1e3:.1f} ms per step")
+    for name, s in seconds.most_common():
+        print(f"  {name:20s} {s / ns.tokens * 1e3:6.2f} ms per step")
+
+
+if __name__ == "__main__":
+    main()

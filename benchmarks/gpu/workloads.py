@@ -2,7 +2,7 @@
 failing part does not stop the others. Models are built from configs with random weights (the
 GPU machines have no network and no embedded model), with a word-level tokenizer made here.
 
-    python benchmarks/gpu/workloads.py --out DIR [--parts exactness,latency,profile,throughput,transformers]
+    python benchmarks/gpu/workloads.py --out DIR [--parts exactness,latency,profile,throughput,serving,transformers]
     python benchmarks/gpu/workloads.py --device cpu --small --out /tmp/w   # a dry run here
 
 Parts:
@@ -13,6 +13,8 @@ Parts:
 - profile: torch.profiler over decode steps at batch 16: the top kernels and the host's share.
 - throughput: Qwen3-0.6B's shape in bf16, 256 requests, input and output lengths uniform in
   [100, 1024], ignore_eos (nano-vllm's shape).
+- serving: `treadle serve` on that model, driven by `treadle bench serve` at concurrency 1, 16
+  and 64: TTFT, TPOT and ITL, p50 and p99 (needs FastAPI, uvicorn and pydantic: wheels.sh).
 - transformers: the same model on a subset of those requests, for the ratio, with its
   continuous batching (`generate_batch`) where the installed version has it.
 Writes DIR/workloads.json and prints a table last.
@@ -292,11 +294,75 @@ def profile(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     return results
 
 
+def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    """`treadle serve` on the throughput part's model, driven by `treadle bench serve`'s
+    streamed client at concurrency 1, 16 and 64 (twice as many requests as the cap, 128 tokens
+    in and out): TTFT, TPOT and ITL. The server needs FastAPI, uvicorn and pydantic, which the
+    GPU machines carry only as wheels (benchmarks/gpu/README.md)."""
+    import asyncio
+    import socket
+    import subprocess
+    import urllib.request
+
+    from treadle.bench.serve import run as drive
+    from treadle.bench.serve import summarize
+    from treadle.bench.throughput import make_workload
+    from treadle.models.loader import load_tokenizer
+
+    path = throughput_requests(ns, folder)[0]
+    if ns.device.startswith("cuda"):   # what this process's engines left cached, to the server
+        torch.cuda.empty_cache()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = [f for key, value in ns.engine.items() for f in (f"--{key.replace('_', '-')}", str(value))]
+    log = open(os.path.join(ns.out, "serving-server.log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "treadle.entrypoints.cli", "serve", path,
+                               "--host", "127.0.0.1", "--port", str(port), "--device", ns.device,
+                               "--dtype", "bfloat16", *flags], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"treadle serve exited with {server.returncode}: see "
+                                   "serving-server.log")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("treadle serve was not ready within 150 s")
+            time.sleep(0.5)
+        tokenizer = load_tokenizer(path)
+        results: dict[str, Any] = {}
+        for concurrency in ((1, 4) if ns.small else (1, 16, 64)):
+            work = make_workload(tokenizer, 2 * concurrency, (128, 128), (128, 128), seed=concurrency)
+            done, seconds, _ = asyncio.run(drive(base, None, None, work.prompts, work.output_lens,
+                                                 float("inf"), concurrency, 0, False))
+            summary = summarize(done, seconds)
+            results[f"concurrency={concurrency}"] = {
+                "requests": len(done), "errors": summary["errors"],
+                "output_tok_s": summary["output_throughput"],
+                **{f"{name}_{q}": summary[name][f"{q}_ms"] for name in ("ttft", "tpot", "itl")
+                   for q in ("median", "p99")}}
+        return results
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
 # transformers' throughput last: the part least known to fit the check's time, so that a
 # limit it runs past costs no other part's figures.
 PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
     "exactness": exactness, "latency": latency, "profile": profile, "throughput": throughput,
-    "transformers": transformers_throughput}
+    "serving": serving, "transformers": transformers_throughput}
 
 
 def main() -> int:
@@ -333,6 +399,9 @@ def main() -> int:
             summary = "; ".join(f"{k} {v['identical']}/{v['of']}" for k, v in part.items() if k != "part_s")
         elif name == "throughput":
             summary = f"{part['treadle_output_tok_s']:.0f} output tok/s, {part['requests']} requests"
+        elif name == "serving":
+            summary = "; ".join(f"{k}: TTFT p50 {v['ttft_median']:.1f} ms, TPOT p50 {v['tpot_median']:.2f} ms, "
+                                f"{v['output_tok_s']:.0f} tok/s" for k, v in part.items() if k != "part_s")
         elif name == "transformers":
             summary = f"{part['output_tok_s']:.0f} output tok/s, {part['requests']} requests ({part['mode']})"
             if "treadle_output_tok_s" in report.get("throughput", {}):

@@ -90,6 +90,23 @@ def test_a_weight_update_rebuilds_the_stack(tiny_checkpoints):
 
 
 @needs_kernels
+def test_start_up_warms_the_head_only_for_the_rows_a_step_samples(tiny_checkpoints, monkeypatch):
+    """The untied head's GEMM is warmed up to the rows a step samples (max_num_seqs), the other
+    linears up to the step budget: warming the head (49,152 rows here) to the budget cost most
+    of a start-up."""
+    seen: list[tuple[int, int]] = []   # (rows, output features) of every GEMM start-up ran
+    run = linear.linear
+    monkeypatch.setattr(linear, "linear",
+                        lambda x, weight, *a: seen.append((x.shape[0], weight.shape[0])) or run(x, weight, *a))
+    path = tiny_checkpoints["qwen3"]   # untied
+    with LLM(path, max_num_seqs=8, max_num_batched_tokens=512) as llm:
+        vocab = llm.engine.config.model.hf_config.vocab_size
+        assert llm.engine.core.executor.worker.runner.model.lm_head is not None
+    assert max((rows for rows, out in seen if out == vocab), default=0) <= linear.gemm_rows(8)
+    assert max(rows for rows, out in seen if out != vocab) == 512
+
+
+@needs_kernels
 def test_stack_pads_gemm_rows_as_the_python_layers_do():
     """Its packed GEMMs run at linear.gemm_rows' counts: the kernels warmed up at load, and the
     same bits as the Python layers at every row count."""

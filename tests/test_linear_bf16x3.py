@@ -92,7 +92,7 @@ def test_linear_routes_rows_past_the_panels_to_bf16x3(monkeypatch):
         torch.testing.assert_close(layer(x).double(), linear_float64(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)
     assert calls == ([linear.PANEL_ROWS + 1, 3000] if HAS_AMX else [])
-    warmed = linear.warm_up_gemms(layer, 512)
+    warmed = linear.warm_up_gemms(layer, 512, 512)
     assert warmed == 0 if HAS_AMX else warmed > 0
     linear.unpack_weights(layer)
     assert layer.bf16x3 is None

@@ -106,7 +106,10 @@ class ModelRunner(WeightControls):
         self.model.pack_weights()
         if self.model.is_packed:
             warm = time.perf_counter()
-            ran = linear.warm_up_gemms(self.model, self.config.scheduler.max_num_batched_tokens)
+            sched, spec = self.config.scheduler, self.config.speculative
+            sampled_rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+            ran = linear.warm_up_gemms(self.model, sched.max_num_batched_tokens,
+                                       min(sampled_rows, sched.max_num_batched_tokens))
             logger.debug("warmed up %d GEMMs in %.2fs", ran, time.perf_counter() - warm)
         if self.ctx.pp_size > 1:
             self.link = StageLink(self.ctx, cfg.hf_config.hidden_size, self.dtype, self.device)

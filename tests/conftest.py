@@ -10,7 +10,7 @@ import torch
 
 from hypothesis import settings
 
-from tests.gpu import GPU_SHARE
+from tests.gpu import GPU_KV_BYTES
 from tests.reference import HFReference
 from tests.tiny_models import make_tiny_checkpoint
 from treadle.models.loader import default_model_path, iter_hf_weights
@@ -105,11 +105,11 @@ def reference():
 
 # Engine arguments per device, for a test that runs on the CPU and, marked gpu, on CUDA too (it
 # takes the `on_device` fixture). On CUDA: the triton kernels in fp32, exact against
-# transformers, and a small share of the GPU, which several test processes (xdist) share.
+# transformers, and a KV cache of a fixed size (tests/gpu.py says why).
 ENGINE_ARGS_ON = {
     "cpu": {},
     "cuda": {"device": "cuda", "attention_backend": "triton", "dtype": "float32",
-             "gpu_memory_utilization": GPU_SHARE},
+             "kv_cache_memory_bytes": GPU_KV_BYTES},
 }
 
 

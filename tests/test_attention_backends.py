@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle import LLM
+from treadle import LLM, SamplingParams
 from treadle.attention.backend import BACKENDS, auto_backend_name, create_attention_backend
 from treadle.attention.cpu_backend import CpuKernelBackend, CpuKernelMetadata
 from treadle.attention.torch_backend import TorchBackend, TorchMetadata
@@ -38,6 +38,27 @@ def test_the_best_backend_on_a_gpu_is_triton_where_it_runs(monkeypatch):
     assert auto_backend_name(CPU) in ("cpu", "torch")
     monkeypatch.setattr(TritonBackend, "unavailable", classmethod(lambda cls, device: "none"))
     assert auto_backend_name(torch.device("cuda")) == "torch"
+
+
+def test_the_default_backend_gives_way_to_torch_for_what_triton_cannot_serve(tmp_path, monkeypatch):
+    """Triton has no sliding window or soft-cap yet: where it is the device's default (CUDA;
+    here the interpreter stands in), such a model gets the torch backend; asked for by name, it
+    is refused at load with the reason, not in the first step."""
+    from tests.tiny_models import make_tiny_checkpoint
+    from treadle.attention import backend
+
+    path = str(tmp_path / "mistral")
+    make_tiny_checkpoint("mistral", path)   # a 512-token window
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend, "auto_backend_name", lambda device: "triton")
+    with LLM(path, num_kv_blocks=16, block_size=16) as llm:
+        assert llm.engine.core.executor.worker.runner.attention.name == "torch"
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"attention_backend 'triton' cannot serve .*: it has no "
+                                         r"sliding window or logit soft-cap yet; use attention_backend 'torch'"):
+        LLM(path, attention_backend="triton", num_kv_blocks=16, block_size=16)
 
 
 def test_a_backend_that_cannot_run_is_refused_by_name():

@@ -7,6 +7,7 @@ collect there."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,11 +47,14 @@ def test_the_gpu_tests_collect_without_the_cpu_only_extras(tmp_path):
     """A `gpu` test module that imported an extra at the top would fail to collect on the GPU
     machine, and its tests would never run there."""
     (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(missing=set(MISSING)))
-    files = sorted(str(f) for f in ROOT.glob("tests/test_*.py") if "mark.gpu" in f.read_text())
+    # As benchmarks/gpu/check.sh selects them: gpu marks, or conftest's on_device fixture.
+    files = sorted(str(f) for f in ROOT.glob("tests/test_*.py")
+                   if re.search(r"mark\.gpu|on_device", f.read_text()))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "--collect-only",
                            "-p", "no:cacheprovider", *files], cwd=ROOT, capture_output=True,
                           text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
                                "PYTHONPATH": f"{tmp_path}:{ROOT}"})
     assert done.returncode == 0 and " error" not in done.stdout, done.stdout[-3000:]
-    assert len(files) >= 7 and "test_triton_attention.py::" in done.stdout
+    assert len(files) >= 9 and "test_triton_attention.py::" in done.stdout
+    assert "test_rl_controls.py::" in done.stdout and "[cuda-" in done.stdout

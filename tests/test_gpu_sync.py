@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.family_support import PretrainedReference
-from tests.gpu import GPU_SHARE
+from tests.gpu import shared_gpu
 from treadle import LLM, SamplingParams
 from treadle.device_copy import sanctioned_sync, to_device, to_host
 
@@ -49,7 +49,7 @@ def run(path: str, device: str, backend: str, strict: bool, deferred: bool = Fal
     the penalties count them there)."""
     with LLM(path, device=device, attention_backend=backend, dtype="float32", block_size=16,
              max_num_seqs=8, max_num_batched_tokens=32, async_scheduling=deferred,
-             gpu_memory_utilization=GPU_SHARE) as llm:
+             **shared_gpu(device)) as llm:
         runner = llm.engine.core.executor.worker.runner
         assert runner.allow_deferred_steps() if deferred else not runner.defer_steps
         execute = runner.execute_model

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.fresh_python import in_fresh_python
-from tests.gpu import GPU_SHARE
+from tests.gpu import shared_gpu
 from treadle.attention.backend import BACKENDS, PagedAttention, check_attention_backend
 from treadle.attention.torch_backend import TorchBackend
 from treadle.attention.triton_backend import TritonBackend
@@ -118,7 +118,7 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
     # Closed at the end: on a GPU the next engine in this process sizes its cache against what
     # this one leaves free.
     with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
-             block_size=BLOCK_SIZE, max_num_batched_tokens=16, gpu_memory_utilization=GPU_SHARE,
+             block_size=BLOCK_SIZE, max_num_batched_tokens=16, **shared_gpu(device_name),
              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
         assert llm.engine.core.executor.worker.runner.attention.name == "triton"
@@ -147,7 +147,7 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
 
     with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
              block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=128,
-             async_scheduling=deferred, gpu_memory_utilization=GPU_SHARE) as llm:
+             async_scheduling=deferred, **shared_gpu(device_name)) as llm:
         runner = llm.engine.core.executor.worker.runner
         if device_name == "cpu":
             runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
@@ -184,7 +184,7 @@ def run_connector_arrivals(path: str, store: str, stale: list[list[int]],
     from treadle import LLM, SamplingParams
 
     common = dict(device=device_name, attention_backend="triton", dtype="float32",
-                  block_size=BLOCK_SIZE, max_num_seqs=4, gpu_memory_utilization=GPU_SHARE)
+                  block_size=BLOCK_SIZE, max_num_seqs=4, **shared_gpu(device_name))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(path, kv_transfer_config=kv_config(store, "kv_producer"), **common) as producer:
         producer.generate([{"prompt_token_ids": p} for p in arrivals],

@@ -24,14 +24,16 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 # Each part has a limit of its own, so the whole check stays within 8 minutes (475 s of limits).
 # Every `gpu` test but the sizing's, in 6 pytest-xdist workers where xdist is installed: Triton's
-# first compiles (most of the time on a fresh machine) overlap, and each engine takes the share
-# of the memory tests/gpu.py names. A module whose imports this machine lacks must not stop the
+# first compiles (most of the time on a fresh machine) overlap, and each engine takes the fixed
+# KV cache tests/gpu.py names. A module whose imports this machine lacks must not stop the
 # rest; a test past 120 s fails with its traceback where pytest-timeout is installed.
 OPTS=()
 "$PY" -c "import xdist" 2>/dev/null && OPTS+=(-n 6)
 "$PY" -c "import pytest_timeout" 2>/dev/null && OPTS+=(--timeout 120)
-mapfile -t GPU_FILES < <(grep -l "mark.gpu" tests/test_*.py | grep -v test_memory_profile.py)
-run gpu_tests timeout 170 "$PY" -m pytest -q -rfE -m gpu "${OPTS[@]}" "${GPU_FILES[@]}" \
+# A module has gpu tests where it marks them, or takes conftest's `on_device` fixture (a cpu
+# and a cuda case). tests/test_gpu_machine_imports.py selects them alike.
+mapfile -t GPU_FILES < <(grep -lE "mark\.gpu|on_device" tests/test_*.py | grep -v test_memory_profile.py)
+run gpu_tests timeout 170 "$PY" -m pytest -q -rfE -m gpu ${OPTS[@]+"${OPTS[@]}"} "${GPU_FILES[@]}" \
     --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml"
 # KV sizing by gpu_memory_utilization, and the error when memory is held at start-up: alone on
 # the device, as they measure it.

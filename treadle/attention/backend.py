@@ -123,6 +123,10 @@ class AttentionBackend(ABC):
     def release(self) -> None:
         """Drop scratch memory (the cache is being freed: sleep)."""
 
+    def refuses(self, model: torch.nn.Module) -> str | None:
+        """Why this backend cannot serve `model`'s attention layers, or None where it can."""
+        return None
+
     def slot_mapping(self, query_lens: np.ndarray, positions: np.ndarray,
                      block_table: np.ndarray) -> torch.Tensor:
         """The flat cache slot of every new token."""

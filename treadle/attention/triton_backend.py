@@ -76,6 +76,10 @@ class TritonBackend(AttentionBackend):
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
         if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return "CUDA is not available here"
+            if torch.cuda.get_device_capability(device)[0] < 8:   # bf16 tl.dot needs sm_80
+                return "its kernels need compute capability 8.0 (Ampere) or newer"
             return None
         if device.type == "cpu":
             if os.environ.get("TRITON_INTERPRET") == "1":
@@ -84,6 +88,12 @@ class TritonBackend(AttentionBackend):
                     "TRITON_INTERPRET=1 before starting (slow: for tests), or use "
                     "attention_backend 'cpu' or 'torch'")
         return "its kernels are for CUDA devices"
+
+    def refuses(self, model: torch.nn.Module) -> str | None:
+        layers = (model.model.layers[i].self_attn.attn for i in model.model.layer_range)
+        if any(a.sliding_window is not None or a.logit_softcap is not None for a in layers):
+            return "it has no sliding window or logit soft-cap yet"
+        return None
 
     def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
                        positions: np.ndarray, block_table: np.ndarray) -> TritonMetadata:

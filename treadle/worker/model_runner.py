@@ -99,6 +99,14 @@ class ModelRunner(WeightControls):
         self.long_rope_offset = self.model.model.rotary.long_rope_offset
         self.model.quantization = cfg.quantization
         self.model.gguf_file = cfg.gguf_file
+        if (reason := self.attention.refuses(self.model)) is not None:
+            if self.config.attention_backend is not None:
+                raise ValueError(f"attention_backend {self.attention.name!r} cannot serve "
+                                 f"{cfg.model}: {reason}; use attention_backend 'torch'")
+            # The device's best backend cannot: the one that serves every model.
+            logger.info("attention backend %s cannot serve this model (%s): torch instead",
+                        self.attention.name, reason)
+            self.attention = create_attention_backend("torch", self.device, self.block_size)
         if self.native_kernels:
             self.model.use_cpu_kernels()
         if self.attention.name == "triton":   # its ops take over the norms, RoPE, activation

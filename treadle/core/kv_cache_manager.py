@@ -194,18 +194,14 @@ class KVCacheManager:
                 # Most decode steps: the blocks held have room already. What the full path
                 # below does then, without its lists: no block to take, only blocks to publish.
                 if self.enable_caching:
-                    num_full = min(total, request.num_tokens) // self.block_size
-                    num_full = min(num_full, self.held_from.get(rid, num_full))
-                    if num_full > self.num_cached_blocks.get(rid, 0):   # a block filled up
-                        self._publish(request, num_full)
+                    self._publish_known(request, total)
                 return [[] for _ in held]
         hits = new_computed_blocks or [[] for _ in self.group_windows]
         assert len(hits) == self.num_groups
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         if self.has_windows and rid in self.req_to_blocks:   # room the window no longer needs first
             if self.enable_caching:   # blocks are published before they can be given back
-                num_known = min(num_computed, request.num_tokens) // self.block_size
-                self._publish(request, min(num_known, self.held_from.get(rid, num_known)))
+                self._publish_known(request, num_computed)
             self._release_behind_windows(request, num_computed)
         groups = self.req_to_blocks.setdefault(rid, [[] for _ in self.group_windows])
         total = num_computed + num_new_tokens
@@ -246,8 +242,7 @@ class KVCacheManager:
             # before any attention reads it, so a later request in the same step may share them.
             if num_external_tokens:
                 self.held_from[rid] = num_computed // self.block_size
-            num_full = min(total, request.num_tokens) // self.block_size
-            self._publish(request, min(num_full, self.held_from.get(rid, num_full)))
+            self._publish_known(request, total)
         if self.has_windows:
             self._release_behind_windows(request, num_computed)
             for blocks, cap, released in zip(groups, self.group_caps, self.num_null_blocks(rid)):
@@ -306,16 +301,24 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = min(
                 num_blocks_before, self.num_cached_blocks[request.request_id])
 
+    def _publish_known(self, request: Request, num_tokens: int) -> None:
+        """Publish the blocks wholly within the request's first `num_tokens` tokens whose
+        tokens are all known, short of where a connector's load holds them back."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        self._publish(request, min(num_full, self.held_from.get(request.request_id, num_full)))
+
     def _publish(self, request: Request, num_blocks: int) -> None:
         """Publish the request's first `num_blocks` blocks (those not published yet)."""
         start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_blocks <= start:   # most decode steps: no block filled up
+            return
         for g, blocks in enumerate(self.req_to_blocks[request.request_id]):
             for i in range(start, num_blocks):
                 # Blocks are published before they can be given back behind the window.
                 assert blocks[i] is not self.pool.null_block, (
                     f"{request.request_id}: block {i} of group {g} given back unpublished")
                 self.pool.cache_block(blocks[i], group_hash(request.block_hashes[i], g))
-        self.num_cached_blocks[request.request_id] = max(start, num_blocks)
+        self.num_cached_blocks[request.request_id] = num_blocks
 
     def settle_loaded(self, request: Request, first_bad_block: int | None) -> None:
         """A connector's load for the request has returned: publish what it held back, up to

@@ -300,10 +300,9 @@ def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     in and out): TTFT, TPOT and ITL. The server needs FastAPI, uvicorn and pydantic, which the
     GPU machines carry only as wheels (benchmarks/gpu/README.md)."""
     import asyncio
-    import socket
     import subprocess
-    import urllib.request
 
+    from benchmarks.peers.run import free_port, stop, wait_healthy
     from treadle.bench.serve import run as drive
     from treadle.bench.serve import summarize
     from treadle.bench.throughput import make_workload
@@ -312,9 +311,7 @@ def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     path = throughput_requests(ns, folder)[0]
     if ns.device.startswith("cuda"):   # what this process's engines left cached, to the server
         torch.cuda.empty_cache()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     flags = [f for key, value in ns.engine.items() for f in (f"--{key.replace('_', '-')}", str(value))]
     log = open(os.path.join(ns.out, "serving-server.log"), "w")
     server = subprocess.Popen([sys.executable, "-m", "treadle.entrypoints.cli", "serve", path,
@@ -322,20 +319,7 @@ def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
                                "--dtype", "bfloat16", *flags], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"treadle serve exited with {server.returncode}: see "
-                                   "serving-server.log")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("treadle serve was not ready within 150 s")
-            time.sleep(0.5)
+        wait_healthy(base, server, timeout=150)   # its log: serving-server.log
         tokenizer = load_tokenizer(path)
         results: dict[str, Any] = {}
         for concurrency in ((1, 4) if ns.small else (1, 16, 64)):
@@ -350,11 +334,7 @@ def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
                    for q in ("median", "p99")}}
         return results
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
         log.close()
 
 

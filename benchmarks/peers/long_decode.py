@@ -73,7 +73,7 @@ def llama_cpp(run_mod: Any, dtype: str, lengths: list[int], reps: int) -> dict[i
     """llama-server's own time per generated token (`timings.predicted_per_token_ms`)."""
     import urllib.request
 
-    port = run_mod._free_port()
+    port = run_mod.free_port()
     cmd = [run_mod.llama_bin("llama-server"), "-m", run_mod.gguf_weights()[dtype], "--port", str(port),
            "-np", "1", "-c", str(MAX_LEN), "-t", "2", "-tb", "2", "--cache-ram", "0"]
     server = subprocess.Popen(cmd, env=run_mod.llama_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

@@ -46,7 +46,7 @@ SERVING_LEVELS = (1, 8, 32)   # requests in flight
 LLAMA_CTX = 1600   # a slot's context: the longest prompt and output of any workload, and some
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -116,7 +116,7 @@ def start_llama_server(gguf: str, slots: int, port: int, log: Path) -> subproces
 def offline_llama(gguf: str, work: Any, out_dir: Path, tag: str) -> dict[str, Any]:
     import aiohttp
 
-    port = _free_port()
+    port = free_port()
     server = start_llama_server(gguf, len(work.prompts), port, out_dir / f"llama-{tag}.log")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
@@ -190,7 +190,7 @@ def serving(engine: str, dtype: str, hf_dir: str, ggufs: dict[str, str], tokeniz
             levels: tuple[int, ...] = SERVING_LEVELS, tag: str = "") -> dict[int, dict[str, Any]]:
     """One server's sweep over `levels`; its log and results are named after the engine, the
     dtype and `tag` (the round, when there are several)."""
-    port = _free_port()
+    port = free_port()
     server = start_server(engine, dtype, hf_dir, ggufs, port, max(levels),
                           out_dir / f"serve-{engine}{tag}-{dtype}.log", treadle_args)
     results = {}

@@ -4,8 +4,11 @@ numpy: scheduling, input preparation, sampling, output processing. On a GPU this
 the device waits for (docs/performance.md, "On a GPU": it sat idle 81-85% of decode steps).
 
     python benchmarks/host_step.py [--requests 256] [--tokens 64]
+    python benchmarks/host_step.py --device cuda --shape qwen3-0.6b --backend triton [--async]
 
-Prints ms per step of the whole run, then the parts, each timed around its call.
+Prints ms per step of the whole run, then the parts, each timed around its call. On a GPU,
+`to_host` is the step's wait for its sampled tokens (deferred steps wait in `finish`), and
+execute_model includes it.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.gpu.workloads import TINY, build_model, random_prompts  # noqa: E402
+from benchmarks.gpu.workloads import QWEN3_06B, TINY, build_model, random_prompts  # noqa: E402
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.core import kv_cache_manager, scheduler  # noqa: E402
 from treadle.engine import output_processor  # noqa: E402
-from treadle.worker import model_runner  # noqa: E402
+from treadle.worker import deferred_step, model_runner  # noqa: E402
 
 PARTS = [(scheduler.Scheduler, "schedule"), (kv_cache_manager.KVCacheManager, "allocate_slots"),
          (model_runner.ModelRunner, "execute_model"), (model_runner.ModelRunner, "_forward"),
          (model_runner.ModelRunner, "_queue_samples"), (model_runner, "sampling_rows"),
          (model_runner.ModelRunner, "_update_slots"), (model_runner.ModelRunner, "_verify"),
+         (model_runner, "to_host"), (deferred_step.DeferredStep, "finish"),
          (scheduler.Scheduler, "update_from_output"),
          (output_processor.OutputProcessor, "process_outputs")]
 
@@ -58,14 +62,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    parser.add_argument("--backend", default="torch", help="attention_backend")
+    parser.add_argument("--async", dest="async_scheduling", action="store_true")
     ns = parser.parse_args()
     seconds = timed_parts()
+    shape, dtype = (TINY, torch.float32) if ns.shape == "tiny" else (QWEN3_06B, torch.bfloat16)
     with tempfile.TemporaryDirectory() as folder:
-        path = build_model("Qwen3", TINY, folder, torch.float32)
-        prompts = random_prompts(ns.requests, (20, 40), TINY["vocab_size"], seed=2)
+        path = build_model("Qwen3", shape, folder, dtype)
+        prompts = random_prompts(ns.requests, (20, 40), shape["vocab_size"], seed=2)
         params = SamplingParams(temperature=0.0, max_tokens=ns.tokens, ignore_eos=True)
-        with LLM(path, device="cpu", dtype="float32", max_num_seqs=ns.requests,
-                 attention_backend="torch") as llm:
+        with LLM(path, device=ns.device, dtype=str(dtype).removeprefix("torch."),
+                 max_num_seqs=max(ns.requests, 8), attention_backend=ns.backend,
+                 async_scheduling=ns.async_scheduling) as llm:
             llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)
             seconds.clear()
             start = time.perf_counter()

@@ -99,11 +99,14 @@ def test_graphs_follow_sleep_and_weight_updates(tiny_checkpoints):
         # first run of this test on an H200 did, and wake_up found no memory for a new one).
         held = [weakref.ref(t) for t in [runner.graphs, *runner.kv_caches]]
         cache_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+        reserved = torch.cuda.memory_reserved()
         llm.sleep(level=1)
         assert runner.graphs is None
         gc.collect()
         assert all(ref() is None for ref in held), "the graphs or a KV cache tensor outlived sleep"
-        assert torch.cuda.memory_reserved() < cache_bytes / 2
+        # What sleep gave back, not what is left: this xdist worker's earlier tests hold memory
+        # of their own (654 MB after sleep on the H200, where the cache was 1 GiB).
+        assert reserved - torch.cuda.memory_reserved() >= cache_bytes
         llm.wake_up()
         assert runner.graphs is not None
         assert greedy_ids(llm, prompts, 16) == want

@@ -135,13 +135,43 @@ def word_level_tokenizer(vocab_size: int):
                                                 eos_token="w2", unk_token="w0")
 
 
+def byte_level_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on this project's README and docs (merges up to 8,192 tokens;
+    0 unknown, 1 bos, 2 eos), the rest of the vocabulary filler. English encodes to about as
+    many tokens as with SmolLM2's tokenizer, and any text to decodable ids, whatever tokenizer
+    class transformers picks for the model type (Qwen2's rebuilds the BPE from the vocabulary
+    and merges, and encodes anything with a word-level model to nothing)."""
+    import json
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = Path(__file__).resolve().parents[1]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = byte_level
+    tok.train([str(root / "README.md"), *map(str, sorted((root / "docs").glob("*.md")))],
+              trainers.BpeTrainer(vocab_size=min(vocab_size, 8192), show_progress=False,
+                                  special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trained = json.loads(tok.to_str())["model"]
+    vocab = trained["vocab"]
+    vocab.update({f"<x{i}>": i for i in range(len(vocab), vocab_size)})
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+
+
 def _tokenizer():
-    """The embedded SmolLM2's tokenizer, or a word-level one of its size where the package that
+    """The embedded SmolLM2's tokenizer, or a byte-level one of its size where the package that
     holds it is missing (the GPU machines; `make install` always installs it)."""
     try:
         path = default_model_path()
     except RuntimeError:
-        return word_level_tokenizer(49152)
+        return byte_level_tokenizer(49152)
     return load_tokenizer(path)
 
 

@@ -23,12 +23,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # Each part has a limit of its own, so the whole check stays within 8 minutes (475 s of limits).
-# Every `gpu` test but the sizing's, in 6 pytest-xdist workers where xdist is installed: Triton's
+# Every `gpu` test but the sizing's, in 8 pytest-xdist workers where xdist is installed: Triton's
 # first compiles (most of the time on a fresh machine) overlap, and each engine takes the fixed
 # KV cache tests/gpu.py names. A module whose imports this machine lacks must not stop the
 # rest; a test past 120 s fails with its traceback where pytest-timeout is installed.
 OPTS=()
-"$PY" -c "import xdist" 2>/dev/null && OPTS+=(-n 6)
+"$PY" -c "import xdist" 2>/dev/null && OPTS+=(-n 8)
 "$PY" -c "import pytest_timeout" 2>/dev/null && OPTS+=(--timeout 120)
 # A module has gpu tests where it marks them, or takes conftest's `on_device` fixture (a cpu
 # and a cuda case). tests/test_gpu_machine_imports.py selects them alike.

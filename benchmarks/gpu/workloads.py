@@ -136,17 +136,21 @@ def throughput_requests(ns: argparse.Namespace, folder: str):
 
 
 def throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    """The requests through the engine as configured, then again with async scheduling (the
+    host prepares step N+1 while the device runs step N)."""
     path, prompts, outputs = throughput_requests(ns, folder)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outputs]
-    with LLM(path, device=ns.device, dtype="bfloat16", **ns.engine) as llm:
-        llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)   # warm-up
-        sync(ns.device)
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        sync(ns.device)
-        elapsed = time.perf_counter() - start
-    return {"requests": len(prompts), "output_tokens": sum(outputs), "treadle_s": elapsed,
-            "treadle_output_tok_s": sum(outputs) / elapsed}
+    result: dict[str, Any] = {"requests": len(prompts), "output_tokens": sum(outputs)}
+    for name, engine in (("treadle", ns.engine), ("async", ns.engine | {"async_scheduling": True})):
+        with LLM(path, device=ns.device, dtype="bfloat16", **engine) as llm:
+            llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)   # warm-up
+            sync(ns.device)
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            sync(ns.device)
+            elapsed = time.perf_counter() - start
+        result |= {f"{name}_s": elapsed, f"{name}_output_tok_s": sum(outputs) / elapsed}
+    return result
 
 
 def transformers_throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
@@ -179,13 +183,19 @@ def transformers_continuous(model, prompts: list[list[int]], max_new: int,
         return transformers.GenerationConfig(max_new_tokens=new, do_sample=False,
                                              eos_token_id=-1, pad_token_id=0)
 
-    with torch.inference_mode():
-        model.generate_batch(prompts[:2], generation_config=config(4))
-        sync(device)
-        start = time.perf_counter()
-        out = model.generate_batch(prompts, generation_config=config(max_new))
-        sync(device)
-    return sum(len(o.generated_tokens) for o in out.values()), time.perf_counter() - start
+    # No inference_mode here: it is per thread, and generate_batch's loop runs in a thread of
+    # its own that updates buffers made in this one (on the H200: "Inplace update to inference
+    # tensor outside InferenceMode", and every request failed).
+    model.generate_batch(prompts[:2], generation_config=config(4))
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=config(max_new))
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    if tokens == 0:
+        raise RuntimeError("generate_batch generated no tokens (its log says why)")
+    return tokens, seconds
 
 
 def transformers_static(model, prompts: list[list[int]], outputs: list[int],
@@ -232,7 +242,8 @@ def latency(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     out_tokens = 32 if ns.small else 256
     result: dict[str, Any] = {}
     # On the triton backend decode steps replay CUDA graphs; the eager run shows what they save.
-    variants = {"default": ns.engine}
+    # Async scheduling overlaps the host's next step with the device's current one.
+    variants = {"default": ns.engine, "async": ns.engine | {"async_scheduling": True}}
     if ns.engine.get("attention_backend") == "triton":
         variants["eager"] = ns.engine | {"enforce_eager": True}
     for name, engine in variants.items():
@@ -378,7 +389,8 @@ def main() -> int:
         elif name == "exactness":
             summary = "; ".join(f"{k} {v['identical']}/{v['of']}" for k, v in part.items() if k != "part_s")
         elif name == "throughput":
-            summary = f"{part['treadle_output_tok_s']:.0f} output tok/s, {part['requests']} requests"
+            summary = (f"{part['treadle_output_tok_s']:.0f} output tok/s, {part['requests']} requests; "
+                       f"async scheduling {part['async_output_tok_s']:.0f}")
         elif name == "serving":
             summary = "; ".join(f"{k}: TTFT p50 {v['ttft_median']:.1f} ms, TPOT p50 {v['tpot_median']:.2f} ms, "
                                 f"{v['output_tok_s']:.0f} tok/s" for k, v in part.items() if k != "part_s")
@@ -390,6 +402,7 @@ def main() -> int:
             summary = (f"TPOT {part['default']['tpot_ms']:.2f} ms (graphs: "
                        f"{part['default']['cuda_graphs']}), floor {part['floor_ms']:.2f} ms "
                        f"({part['tpot_over_floor']:.2f}x), TTFT {part['default']['ttft_ms']:.1f} ms")
+            summary += f"; async TPOT {part['async']['tpot_ms']:.2f} ms"
             if "eager" in part:
                 summary += f"; eager TPOT {part['eager']['tpot_ms']:.2f} ms"
         else:

@@ -26,14 +26,15 @@ fi
 # Every `gpu` test but the sizing's, in 8 pytest-xdist workers where xdist is installed: Triton's
 # first compiles (most of the time on a fresh machine) overlap, and each engine takes the fixed
 # KV cache tests/gpu.py names. A module whose imports this machine lacks must not stop the
-# rest; a test past 120 s fails with its traceback where pytest-timeout is installed.
+# rest; a test past 120 s fails with its traceback where pytest-timeout is installed. At the
+# limit pytest gets SIGINT first, so that it still writes its report of what ran.
 OPTS=()
 "$PY" -c "import xdist" 2>/dev/null && OPTS+=(-n 8)
 "$PY" -c "import pytest_timeout" 2>/dev/null && OPTS+=(--timeout 120)
 # A module has gpu tests where it marks them, or takes conftest's `on_device` fixture (a cpu
 # and a cuda case). tests/test_gpu_machine_imports.py selects them alike.
 mapfile -t GPU_FILES < <(grep -lE "mark\.gpu|on_device" tests/test_*.py | grep -v test_memory_profile.py)
-run gpu_tests timeout 170 "$PY" -m pytest -q -rfE -m gpu ${OPTS[@]+"${OPTS[@]}"} "${GPU_FILES[@]}" \
+run gpu_tests timeout -s INT -k 5 165 "$PY" -m pytest -q -rfE -m gpu ${OPTS[@]+"${OPTS[@]}"} "${GPU_FILES[@]}" \
     --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml"
 # KV sizing by gpu_memory_utilization, and the error when memory is held at start-up: alone on
 # the device, as they measure it.

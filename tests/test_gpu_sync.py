@@ -8,13 +8,15 @@ logprobs equal theirs. On the CPU the same code is the suite's."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from tests.family_support import PretrainedReference
 from tests.gpu import shared_gpu
 from treadle import LLM, SamplingParams
-from treadle.device_copy import sanctioned_sync, to_device, to_host
+from treadle.device_copy import HostCopy, sanctioned_sync, to_device, to_host
 
 
 def test_copies_on_a_cpu_are_the_host_tensors_themselves():
@@ -96,3 +98,19 @@ def test_every_sampling_feature_in_one_batch_on_the_cpu(llama):
 @pytest.mark.parametrize("backend,deferred", [("triton", False), ("torch", False), ("triton", True)])
 def test_a_step_waits_for_the_gpu_only_for_its_sampled_tokens(tiny_checkpoints, backend, deferred):
     run(tiny_checkpoints["llama"], "cuda", backend, strict=True, deferred=deferred)
+
+
+@pytest.mark.gpu
+def test_a_host_copy_waits_only_for_what_was_queued_before_it():
+    """A deferred step's HostCopy is made before the next step is queued; its wait must not
+    wait for that step (about a second of GPU sleep here)."""
+    values = torch.arange(8, device="cuda")
+    copy = HostCopy([values])
+    torch.cuda._sleep(2_000_000_000)
+    start = time.perf_counter()
+    host = copy.wait()
+    waited = time.perf_counter() - start
+    assert host[0].tolist() == list(range(8))
+    assert not torch.cuda.current_stream().query(), "the sleep was over before the wait: no evidence"
+    assert waited < 0.2, f"waited {waited:.2f} s: for work queued after the copy"
+    torch.cuda.synchronize()

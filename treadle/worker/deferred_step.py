@@ -6,10 +6,10 @@ builds N+1 leaves the GPU idle for the whole of that host work. So the runner qu
 sampling and returns at once with the step deferred: its slots' token counts advance over a
 `PLACEHOLDER`, and what of step N+1 reads those tokens takes them from the device
 (`device_tokens_for`): its input rows at those positions, and the penalties' token counts. So
-step N+1 is queued behind N with no wait between them. Then, while N+1 runs, N's tokens come to
-the host (`finish`, the step's one sync, with its logprobs and prompt logprobs) and replace the
-placeholders, except in slots whose request left meanwhile (`drop`): a new tenant's tokens are
-its own. Grammar matchers advance there too; a step with a constrained request needs its mask,
+step N+1 is queued behind N with no wait between them. N's tokens, logprobs and prompt logprobs
+start for the host as soon as they are sampled, ahead of N+1 (`HostCopy`). While N+1 runs,
+`finish` waits for them (the step's one sync), and they replace the placeholders, except in
+slots whose request left meanwhile (`drop`): a new tenant's tokens are its own. Grammar matchers advance there too; a step with a constrained request needs its mask,
 so it finishes N after its own forward pass is queued and before it samples (not for a grammar
 still waiting for the end of the reasoning: worker/grammar.py masks its row on the device).
 The executor hands the engine N's output when finished (executor/uniproc.py's StepFuture);
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from treadle.core.scheduler_output import ModelRunnerOutput, TokenLogprobs
-from treadle.device_copy import to_device, to_host
+from treadle.device_copy import HostCopy, to_device
 from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.prompt_logprobs import PromptLogprobs
 from treadle.worker.request_state import PLACEHOLDER, RequestSlots
@@ -40,6 +40,7 @@ class DeferredStep:
     positions: np.ndarray        # where its token goes in the slot (its PLACEHOLDER now)
     samples: SamplerOutput       # on the device, one row per sampling request
     prompt: PromptLogprobs       # the step's prompt logprobs, on the device too
+    host_copy: HostCopy          # both on their way to the host, queued with the sampling
     dropped: set[int] = field(default_factory=set)   # slots whose request has left since
     output: ModelRunnerOutput | None = None          # once finished
 
@@ -59,7 +60,8 @@ class DeferredStep:
         for slot in slot_ids:
             slots.append_token(slot, PLACEHOLDER)
         slots.num_computed_tokens[idx] = ends
-        return cls(req_ids, rows, slot_ids, positions, samples, prompt)
+        return cls(req_ids, rows, slot_ids, positions, samples, prompt,
+                   HostCopy([*samples.tensors(), *prompt.tensors()]))
 
     def drop(self, slot: int) -> None:
         """The slot's request leaves (finished, aborted or preempted) before this step finished:
@@ -90,7 +92,7 @@ class DeferredStep:
         if self.output is not None:
             return self.output
         sample_tensors = self.samples.tensors()
-        host = to_host(*sample_tensors, *self.prompt.tensors())
+        host = self.host_copy.wait()
         tokens, token_lps = self.samples.to_lists(host[:len(sample_tensors)])
         ruled_out = self.samples.rows_ruled_out(host[:len(sample_tensors)])
         errors: dict[str, str] = {}

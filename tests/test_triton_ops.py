@@ -1,5 +1,6 @@
 """The decoder's Triton ops (treadle/models/triton_ops.py) against the torch path they replace
-(RMSNorm and add_and_norm in llama.py, GemmaRMSNorm, SiLU / GeGLU and mul, rope.apply_rope):
+(RMSNorm and add_and_norm in llama.py, GemmaRMSNorm, SiLU / GeGLU and mul, rope.apply_rope,
+Qwen3's head norms then RoPE; the last fused into one launch, also against the three it saves):
 on the CPU through Triton's interpreter, compiled to H100 code without a GPU, and (`gpu`) on a
 CUDA device.
 
@@ -56,8 +57,15 @@ CASES = {
     "rope_gqa3_d64": ("rope", (5, 6, 2, 64, 1.0)),
     "rope_partial_d48": ("rope", (5, 6, 2, 48, 0.75)),   # 36 rotary features: half of 18
     "rope_mha_d80": ("rope", (3, 5, 5, 80, 1.0)),
+    # Qwen3's q/k head norms and RoPE in one launch: (tokens, q heads, kv heads, head dim)
+    "qk_norm_rope_qwen3": ("qk_norm_rope", (5, 16, 8, 128)),
+    "qk_norm_rope_gqa3_d64": ("qk_norm_rope", (3, 6, 2, 64)),
 }
 EXACT = {"add_norm": "residual", "rope": "out"}   # what must be equal bit for bit
+# Under the interpreter also the fused norms and RoPE to the two norm launches and the RoPE
+# launch they replace ("unfused"): the same sums of squares. A GPU may sum a row in another
+# order in another tile shape.
+EXACT_INTERPRETED = {**EXACT, "qk_norm_rope": "unfused"}
 
 
 def _random(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -117,6 +125,31 @@ def _rope_case(shape: tuple, dtype: torch.dtype, device: torch.device, gen) -> d
     return {"out": (torch.cat([q, k], dim=1), want)}
 
 
+def _qk_norm_rope_case(shape: tuple, dtype: torch.dtype, device: torch.device, gen) -> dict:
+    from treadle.models import triton_ops
+
+    tokens, hq, hkv, head_dim = shape
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=1e6), head_dim, 4096).to(device)
+    cos, sin = rotary(torch.randint(0, 4096, (tokens,), generator=gen).to(device), dtype)
+    norms = []
+    for _ in range(2):
+        norm = RMSNorm(head_dim, EPS).to(device=device, dtype=dtype)
+        norm.weight.data.copy_(_random(gen, head_dim, scale=0.5) + 1)
+        norms.append(norm)
+    qkv = _random(gen, tokens, (hq + 2 * hkv) * head_dim, scale=3.0).to(device=device, dtype=dtype)
+    q = qkv[:, :hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(tokens, hkv, head_dim)
+    want = torch.cat([apply_rope(norms[0](q), cos, sin), apply_rope(norms[1](k), cos, sin)], dim=1)
+    unfused_q = triton_ops.rms_norm(q, norms[0].weight, EPS)
+    unfused_k = triton_ops.rms_norm(k, norms[1].weight, EPS)
+    triton_ops.rope_(unfused_q, unfused_k, cos, sin)
+    before = qkv.clone()
+    got_q, got_k = triton_ops.qk_norm_rope(q, k, norms[0].weight, norms[1].weight, EPS, cos, sin)
+    assert torch.equal(qkv, before), "qk_norm_rope wrote into its input"
+    got = torch.cat([got_q, got_k], dim=1)
+    return {"out": (got, want), "unfused": (got, torch.cat([unfused_q, unfused_k], dim=1))}
+
+
 def compare_ops(dtype_name: str, device_name: str) -> dict[str, dict[str, dict]]:
     """Every case's Triton op beside the torch path on the same inputs: per output, whether
     they are equal and their largest |difference| / (|torch's| + 1)."""
@@ -126,6 +159,8 @@ def compare_ops(dtype_name: str, device_name: str) -> dict[str, dict[str, dict]]
         gen = torch.Generator().manual_seed(sum(map(ord, name)))
         if op == "rope":
             pairs = _rope_case(shape, dtype, device, gen)
+        elif op == "qk_norm_rope":
+            pairs = _qk_norm_rope_case(shape, dtype, device, gen)
         elif op in ("silu", "gelu_tanh"):
             pairs = _act_case(op, shape, dtype, device, gen)
         else:
@@ -159,6 +194,8 @@ def compile_for_sm90(dtype: str) -> dict[str, bool]:
                           "K_HEADS_PAD": 8, "TOKENS": 2}),
         (t._rope_kernel, {**common, "HALF": 18, "HALF_PAD": 32, "Q_HEADS_PAD": 8,
                           "K_HEADS_PAD": 2, "TOKENS": 8}),
+        (t._qk_norm_rope_kernel, {**common, "HALF": 64, "Q_HEADS_PAD": 16, "K_HEADS_PAD": 8,
+                                  "TOKENS": 1}),
     ]
     fma_free = {}
     for i, (kernel, constants) in enumerate(kernels):
@@ -180,12 +217,12 @@ def _in_fresh_python(calls: list[tuple[str, list]], interpret: bool) -> list:
     return in_fresh_python("tests.test_triton_ops", calls, interpret)
 
 
-def _check(result: dict[str, dict], case: str, tol: float) -> None:
+def _check(result: dict[str, dict], case: str, tol: float, interpreted: bool = True) -> None:
     op = CASES[case][0]
     if op == "gelu_tanh" and tol < GELU_FP32_TOL:
         tol = GELU_FP32_TOL
     for key, r in result.items():
-        if EXACT.get(op) == key:
+        if (EXACT_INTERPRETED if interpreted else EXACT).get(op) == key:
             assert r["equal"], (case, key, r)
         assert r["max_err"] < tol, (case, key, r)
 
@@ -206,6 +243,12 @@ def test_what_the_in_place_ops_cannot_serve_is_refused_before_any_launch():
         triton_ops.rope_(q, k, torch.zeros(3, 1, 18), torch.zeros(3, 1, 18))
     with pytest.raises(ValueError, match="the same tokens"):
         triton_ops.rope_(q, k[:2], cos, cos)
+    half = torch.zeros(3, 1, 8)   # a partly rotary head: the norms and rope_ apart serve it
+    with pytest.raises(ValueError, match="whole heads of a power-of-two size"):
+        triton_ops.qk_norm_rope(q, k, torch.ones(16), torch.ones(16), EPS, half, half)
+    with pytest.raises(ValueError, match="share a dtype"):
+        triton_ops.qk_norm_rope(q, k, torch.ones(16, dtype=torch.bfloat16), torch.ones(16), EPS,
+                                cos, cos)
 
 
 # -- under the interpreter -------------------------------------------------------------------
@@ -246,7 +289,8 @@ def test_the_gpu_benchmark_dry_runs_on_the_interpreter(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ops = json.loads((tmp_path / "fused_ops.json").read_text())["ops"]
-    assert set(ops) == {"rms_norm", "add_rms_norm", "qk_head_norm", "silu_and_mul", "rope"}
+    assert set(ops) == {"rms_norm", "add_rms_norm", "qk_head_norm", "silu_and_mul", "rope",
+                        "qk_norm_rope"}
     for row in (result["1"] for result in ops.values()):
         assert row["max_err_triton"] < BF16_TOL and row["compile_us"] == "skipped: out of time", row
         assert row["eager_us"] > 0 and row["triton_us"] > 0, row
@@ -259,7 +303,7 @@ def test_the_ops_compile_for_an_h100_without_fmas():
     code in fp32 and bf16, and no FMA in it, as the exact cases on a GPU need."""
     for fma_free in _in_fresh_python([("compile_for_sm90", ["fp32"]),
                                       ("compile_for_sm90", ["bf16"])], interpret=False):
-        assert len(fma_free) == 7 and all(fma_free.values()), fma_free
+        assert len(fma_free) == 8 and all(fma_free.values()), fma_free
 
 
 # -- on a GPU --------------------------------------------------------------------------------
@@ -269,4 +313,4 @@ def test_the_ops_match_torch_on_cuda(dtype):
     assert os.environ.get("TRITON_INTERPRET") != "1", "the GPU tests compile the kernels"
     results = compare_ops(dtype, "cuda")
     for case, result in results.items():
-        _check(result, case, FP32_TOL_CUDA if dtype == "float32" else BF16_TOL)
+        _check(result, case, FP32_TOL_CUDA if dtype == "float32" else BF16_TOL, interpreted=False)

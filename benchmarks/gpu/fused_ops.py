@@ -87,6 +87,11 @@ def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callab
         "silu_and_mul": (lambda t: (randn(t, 2 * INTERMEDIATE),), eager_silu,
                          triton_ops.silu_and_mul),
         "rope": (qkv_views, eager_rope, triton_rope),
+        # Qwen3's q/k head norms then RoPE; Triton's in one launch where the above take three
+        "qk_norm_rope": (qkv_views,
+                         lambda q, k, cos, sin: eager_rope(head_norm(q), head_norm(k), cos, sin),
+                         lambda q, k, cos, sin: triton_ops.qk_norm_rope(
+                             q, k, head_norm.weight, head_norm.weight, EPS, cos, sin)),
     }
 
 

@@ -1,6 +1,6 @@
 """The decoder's elementwise ops in Triton, for the GPU path: RMSNorm (Llama's and Gemma's
 (1 + weight) form), the residual add fused into the norm after it, SiLU-and-mul and GeGLU
-(tanh), and RoPE applied to q and k in place.
+(tanh), RoPE applied to q and k in place, and Qwen3's q/k head norms with RoPE in one launch.
 
 Each op does the torch path's arithmetic (treadle/models/llama.py, gemma.py, rope.py) in the
 same order with the same roundings: fp32 inside, and a value rounded to the model's dtype
@@ -159,6 +159,61 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt
                   d, d_ok, HALF, K_HEADS_PAD, IN_BITS)
 
 
+@triton.jit
+def _norm_rotate_heads(x_ptr, out_ptr, w_ptr, tokens, token_ok, stride_t, stride_h, num_heads,
+                       eps, c1, c2, s1, s2, d, d_ok, HALF: tl.constexpr,
+                       HEADS_PAD: tl.constexpr, IN_BITS: tl.constexpr):
+    """Some tokens' heads RMSNormed (Llama's form) into `out_ptr` ([tokens, heads, 2 * HALF],
+    contiguous), then rotated there: rms_norm, then _rotate_heads, in one pass. The sum of
+    squares is over whole rows, as _normalize's, so each value is the two kernels' own."""
+    heads = tl.arange(0, HEADS_PAD)[None, :, None]
+    row_ok = token_ok[:, None, None] & (heads < num_heads)
+    mask = row_ok & d_ok[None, None, :]
+    ptrs = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + d[None, None, :]
+    cols = tl.arange(0, 2 * HALF)[None, None, :]
+    whole = tl.load(x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + cols,
+                    mask=row_ok, other=0.0).to(tl.float32)
+    mean = tl.math.div_rn(tl.sum(whole * whole, axis=2), 2.0 * HALF)
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))[:, :, None]
+    dtype = x_ptr.dtype.element_ty
+    w1 = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(w_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = _round(_round(x1 * rstd, dtype, IN_BITS).to(tl.float32) * w1, dtype, IN_BITS).to(tl.float32)
+    x2 = _round(_round(x2 * rstd, dtype, IN_BITS).to(tl.float32) * w2, dtype, IN_BITS).to(tl.float32)
+    a = _round(x1 * c1, dtype, IN_BITS).to(tl.float32)
+    b = _round(x2 * s1, dtype, IN_BITS).to(tl.float32)
+    c = _round(x2 * c2, dtype, IN_BITS).to(tl.float32)
+    e = _round(x1 * s2, dtype, IN_BITS).to(tl.float32)
+    out = out_ptr + (tokens[:, None, None] * num_heads + heads) * (2 * HALF) + d[None, None, :]
+    tl.store(out, _round(a - b, dtype, IN_BITS), mask=mask)
+    tl.store(out + HALF, _round(c + e, dtype, IN_BITS), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+                         num_tokens, num_q_heads, num_k_heads, eps, HALF: tl.constexpr,
+                         Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+                         TOKENS: tl.constexpr, IN_BITS: tl.constexpr):
+    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    token_ok = tokens < num_tokens
+    d = tl.arange(0, HALF)
+    d_ok = d < HALF
+    mask = token_ok[:, None] & d_ok[None, :]
+    cos = cos_ptr + tokens[:, None] * stride_cos + d[None, :]
+    sin = sin_ptr + tokens[:, None] * stride_sin + d[None, :]
+    c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    _norm_rotate_heads(q_ptr, q_out_ptr, q_w_ptr, tokens, token_ok, stride_qt, stride_qh,
+                       num_q_heads, eps, c1, c2, s1, s2, d, d_ok, HALF, Q_HEADS_PAD, IN_BITS)
+    _norm_rotate_heads(k_ptr, k_out_ptr, k_w_ptr, tokens, token_ok, stride_kt, stride_kh,
+                       num_k_heads, eps, c1, c2, s1, s2, d, d_ok, HALF, K_HEADS_PAD, IN_BITS)
+
+
 def _tile(block: int) -> tuple[int, int]:
     """(rows a program takes, its warps) for rows of `block` elements: short rows (a head's
     norm, a small model's) share a program up to _TILE elements, and a warp per 256 of them
@@ -270,3 +325,38 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         cos.stride(0), sin.stride(0), num_tokens, q.shape[1], k.shape[1],
         HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad, TOKENS=per_program,
         IN_BITS=_ROUND_IN_BITS, num_warps=warps, **_LAUNCH)
+
+
+def fuses_qk_norm_rope(head_dim: int, rotary_dim: int) -> bool:
+    """Whether qk_norm_rope serves these heads: rotated whole, of a power-of-two size."""
+    return rotary_dim == head_dim and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's q and k head norms (Llama's RMSNorm per head) and RoPE in one launch, where
+    rms_norm twice and rope_ take three: new contiguous q [tokens, q heads, head dim] and k,
+    with the values of those three. q, k: strided views (of the fused qkv output), each head's
+    features contiguous; the weights of their dtype; heads rotated whole (fuses_qk_norm_rope)."""
+    num_tokens, head_dim = q.shape[0], q.shape[-1]
+    if not fuses_qk_norm_rope(head_dim, cos.shape[-1]) or k.shape[-1] != head_dim:
+        raise ValueError(f"qk_norm_rope rotates whole heads of a power-of-two size: q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, rotary dim {cos.shape[-1]}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("qk_norm_rope takes heads whose features are contiguous")
+    if not q.dtype == k.dtype == q_weight.dtype == k_weight.dtype:
+        raise ValueError(f"q, k and the norms' weights must share a dtype: {q.dtype}, {k.dtype}, "
+                         f"{q_weight.dtype}, {k_weight.dtype}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
+    q_pad, k_pad = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
+    per_program, warps = _tile(max(q_pad, k_pad) * head_dim)
+    _qk_norm_rope_kernel[(triton.cdiv(num_tokens, per_program),)](
+        q, k, q_out, k_out, q_weight, k_weight, cos, sin, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), num_tokens, q.shape[1],
+        k.shape[1], eps, HALF=head_dim // 2, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad,
+        TOKENS=per_program, IN_BITS=_ROUND_IN_BITS, num_warps=warps, **_LAUNCH)
+    return q_out, k_out

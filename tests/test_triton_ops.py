@@ -246,6 +246,8 @@ def test_what_the_in_place_ops_cannot_serve_is_refused_before_any_launch():
     half = torch.zeros(3, 1, 8)   # a partly rotary head: the norms and rope_ apart serve it
     with pytest.raises(ValueError, match="whole heads of a power-of-two size"):
         triton_ops.qk_norm_rope(q, k, torch.ones(16), torch.ones(16), EPS, half, half)
+    with pytest.raises(ValueError, match="with the same tokens"):
+        triton_ops.qk_norm_rope(q, k[:2], torch.ones(16), torch.ones(16), EPS, cos, cos)
     with pytest.raises(ValueError, match="share a dtype"):
         triton_ops.qk_norm_rope(q, k, torch.ones(16, dtype=torch.bfloat16), torch.ones(16), EPS,
                                 cos, cos)

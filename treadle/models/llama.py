@@ -96,7 +96,9 @@ class Attention(nn.Module):
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
             if self.q_norm is None:
                 triton_ops.rope_(q, k, cos, sin)
-            elif (type(self.q_norm) is RMSNorm and q.dtype == self.q_norm.weight.dtype
+            elif (type(self.q_norm) is type(self.k_norm) is RMSNorm
+                  and q.dtype == self.q_norm.weight.dtype == self.k_norm.weight.dtype
+                  and self.q_norm.eps == self.k_norm.eps
                   and triton_ops.fuses_qk_norm_rope(self.head_dim, cos.shape[-1])):
                 q, k = triton_ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight,
                                                self.q_norm.eps, cos, sin)

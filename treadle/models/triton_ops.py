@@ -339,6 +339,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     with the values of those three. q, k: strided views (of the fused qkv output), each head's
     features contiguous; the weights of their dtype; heads rotated whole (fuses_qk_norm_rope)."""
     num_tokens, head_dim = q.shape[0], q.shape[-1]
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != num_tokens:
+        raise ValueError(f"qk_norm_rope takes q and k as [tokens, heads, head dim] with the same "
+                         f"tokens: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if not fuses_qk_norm_rope(head_dim, cos.shape[-1]) or k.shape[-1] != head_dim:
         raise ValueError(f"qk_norm_rope rotates whole heads of a power-of-two size: q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, rotary dim {cos.shape[-1]}")

@@ -203,14 +203,20 @@ class ModelRunner(WeightControls):
             if self.grammars is not None:
                 self.grammars.attach(slot, new)
         cached = so.scheduled_cached_reqs
-        for rid, blocks, num_computed, num_null in zip(
-                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                cached.num_null_blocks, strict=True):
-            slot = slots.slot_of[rid]
-            assert slots.num_computed_tokens[slot] == num_computed, (
-                f"{rid}: runner has {slots.num_computed_tokens[slot]} computed, scheduler {num_computed}")
-            slots.append_blocks(slot, blocks)
-            slots.null_leading_blocks(slot, num_null)   # given back behind the sliding window
+        if not cached.req_ids:
+            return
+        idx = np.array([slots.slot_of[rid] for rid in cached.req_ids], dtype=np.int64)
+        wrong = np.flatnonzero(slots.num_computed_tokens[idx] != np.asarray(cached.num_computed_tokens))
+        assert not len(wrong), "".join(
+            f"{cached.req_ids[i]}: runner has {slots.num_computed_tokens[idx[i]]} computed, "
+            f"scheduler {cached.num_computed_tokens[i]}; " for i in wrong)
+        # Most steps give a decoding request no block and take none back: nothing to write.
+        for slot, blocks, num_null in zip(idx.tolist(), cached.new_block_ids,
+                                          cached.num_null_blocks, strict=True):
+            if blocks[0]:
+                slots.append_blocks(slot, blocks)
+            if any(num_null):
+                slots.null_leading_blocks(slot, num_null)   # given back behind the sliding window
 
     @torch.inference_mode()
     def execute_profile_step(self, so: SchedulerOutput) -> None:

@@ -118,23 +118,43 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, num_rows, I: tl.constexpr,
 
 
 @triton.jit
-def _rotate_heads(x_ptr, tokens, token_ok, stride_t, stride_h, num_heads, c1, c2, s1, s2, d,
-                  d_ok, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, IN_BITS: tl.constexpr):
-    """Some tokens' heads in place: x * cos + rotate_half(x) * sin over the first 2 * HALF
-    features, each product rounded to the dtype as torch rounds it. Tiles are [tokens,
-    heads, HALF_PAD]; cos and sin halves [tokens, 1, HALF_PAD]."""
-    heads = tl.arange(0, HEADS_PAD)[None, :, None]
-    mask = token_ok[:, None, None] & (heads < num_heads) & d_ok[None, None, :]
-    ptrs = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + d[None, None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
+def _cos_sin_halves(cos_ptr, sin_ptr, tokens, token_ok, stride_cos, stride_sin, d, d_ok,
+                    HALF: tl.constexpr):
+    """Some tokens' cos and sin tables in fp32, each as its halves [tokens, 1, HALF_PAD]."""
+    mask = token_ok[:, None] & d_ok[None, :]
+    cos = cos_ptr + tokens[:, None] * stride_cos + d[None, :]
+    sin = sin_ptr + tokens[:, None] * stride_sin + d[None, :]
+    c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _store_rotated(ptrs, x1, x2, c1, c2, s1, s2, mask, dtype: tl.constexpr,
+                   HALF: tl.constexpr, IN_BITS: tl.constexpr):
+    """x * cos + rotate_half(x) * sin of the fp32 halves x1, x2, stored at ptrs and ptrs + HALF,
+    each product rounded to the dtype as torch rounds it."""
     a = _round(x1 * c1, dtype, IN_BITS).to(tl.float32)
     b = _round(x2 * s1, dtype, IN_BITS).to(tl.float32)
     c = _round(x2 * c2, dtype, IN_BITS).to(tl.float32)
     e = _round(x1 * s2, dtype, IN_BITS).to(tl.float32)
     tl.store(ptrs, _round(a - b, dtype, IN_BITS), mask=mask)
     tl.store(ptrs + HALF, _round(c + e, dtype, IN_BITS), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, tokens, token_ok, stride_t, stride_h, num_heads, c1, c2, s1, s2, d,
+                  d_ok, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, IN_BITS: tl.constexpr):
+    """Some tokens' heads rotated in place over their first 2 * HALF features. Tiles are
+    [tokens, heads, HALF_PAD]; cos and sin halves [tokens, 1, HALF_PAD]."""
+    heads = tl.arange(0, HEADS_PAD)[None, :, None]
+    mask = token_ok[:, None, None] & (heads < num_heads) & d_ok[None, None, :]
+    ptrs = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + d[None, None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    _store_rotated(ptrs, x1, x2, c1, c2, s1, s2, mask, x_ptr.dtype.element_ty, HALF, IN_BITS)
 
 
 @triton.jit
@@ -146,13 +166,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt
     token_ok = tokens < num_tokens
     d = tl.arange(0, HALF_PAD)
     d_ok = d < HALF
-    mask = token_ok[:, None] & d_ok[None, :]
-    cos = cos_ptr + tokens[:, None] * stride_cos + d[None, :]
-    sin = sin_ptr + tokens[:, None] * stride_sin + d[None, :]
-    c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    c1, c2, s1, s2 = _cos_sin_halves(cos_ptr, sin_ptr, tokens, token_ok, stride_cos, stride_sin,
+                                     d, d_ok, HALF)
     _rotate_heads(q_ptr, tokens, token_ok, stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2,
                   d, d_ok, HALF, Q_HEADS_PAD, IN_BITS)
     _rotate_heads(k_ptr, tokens, token_ok, stride_kt, stride_kh, num_k_heads, c1, c2, s1, s2,
@@ -161,34 +176,27 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt
 
 @triton.jit
 def _norm_rotate_heads(x_ptr, out_ptr, w_ptr, tokens, token_ok, stride_t, stride_h, num_heads,
-                       eps, c1, c2, s1, s2, d, d_ok, HALF: tl.constexpr,
-                       HEADS_PAD: tl.constexpr, IN_BITS: tl.constexpr):
+                       eps, c1, c2, s1, s2, d, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+                       IN_BITS: tl.constexpr):
     """Some tokens' heads RMSNormed (Llama's form) into `out_ptr` ([tokens, heads, 2 * HALF],
     contiguous), then rotated there: rms_norm, then _rotate_heads, in one pass. The sum of
     squares is over whole rows, as _normalize's, so each value is the two kernels' own."""
     heads = tl.arange(0, HEADS_PAD)[None, :, None]
-    row_ok = token_ok[:, None, None] & (heads < num_heads)
-    mask = row_ok & d_ok[None, None, :]
-    ptrs = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + d[None, None, :]
-    cols = tl.arange(0, 2 * HALF)[None, None, :]
-    whole = tl.load(x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + cols,
-                    mask=row_ok, other=0.0).to(tl.float32)
+    mask = token_ok[:, None, None] & (heads < num_heads)
+    rows = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h
+    whole = tl.load(rows + tl.arange(0, 2 * HALF)[None, None, :], mask=mask,
+                    other=0.0).to(tl.float32)
     mean = tl.math.div_rn(tl.sum(whole * whole, axis=2), 2.0 * HALF)
     rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))[:, :, None]
     dtype = x_ptr.dtype.element_ty
-    w1 = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, None, :]
-    w2 = tl.load(w_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + d).to(tl.float32)[None, None, :]
+    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, None, :]
+    x1 = tl.load(rows + d[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + HALF + d[None, None, :], mask=mask, other=0.0).to(tl.float32)
     x1 = _round(_round(x1 * rstd, dtype, IN_BITS).to(tl.float32) * w1, dtype, IN_BITS).to(tl.float32)
     x2 = _round(_round(x2 * rstd, dtype, IN_BITS).to(tl.float32) * w2, dtype, IN_BITS).to(tl.float32)
-    a = _round(x1 * c1, dtype, IN_BITS).to(tl.float32)
-    b = _round(x2 * s1, dtype, IN_BITS).to(tl.float32)
-    c = _round(x2 * c2, dtype, IN_BITS).to(tl.float32)
-    e = _round(x1 * s2, dtype, IN_BITS).to(tl.float32)
     out = out_ptr + (tokens[:, None, None] * num_heads + heads) * (2 * HALF) + d[None, None, :]
-    tl.store(out, _round(a - b, dtype, IN_BITS), mask=mask)
-    tl.store(out + HALF, _round(c + e, dtype, IN_BITS), mask=mask)
+    _store_rotated(out, x1, x2, c1, c2, s1, s2, mask, dtype, HALF, IN_BITS)
 
 
 @triton.jit
@@ -197,21 +205,16 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, c
                          num_tokens, num_q_heads, num_k_heads, eps, HALF: tl.constexpr,
                          Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
                          TOKENS: tl.constexpr, IN_BITS: tl.constexpr):
+    """_norm_rotate_heads over q and k; heads rotated whole, so HALF is a power of two."""
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     token_ok = tokens < num_tokens
     d = tl.arange(0, HALF)
-    d_ok = d < HALF
-    mask = token_ok[:, None] & d_ok[None, :]
-    cos = cos_ptr + tokens[:, None] * stride_cos + d[None, :]
-    sin = sin_ptr + tokens[:, None] * stride_sin + d[None, :]
-    c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)[:, None, :]
-    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)[:, None, :]
+    c1, c2, s1, s2 = _cos_sin_halves(cos_ptr, sin_ptr, tokens, token_ok, stride_cos, stride_sin,
+                                     d, d < HALF, HALF)
     _norm_rotate_heads(q_ptr, q_out_ptr, q_w_ptr, tokens, token_ok, stride_qt, stride_qh,
-                       num_q_heads, eps, c1, c2, s1, s2, d, d_ok, HALF, Q_HEADS_PAD, IN_BITS)
+                       num_q_heads, eps, c1, c2, s1, s2, d, HALF, Q_HEADS_PAD, IN_BITS)
     _norm_rotate_heads(k_ptr, k_out_ptr, k_w_ptr, tokens, token_ok, stride_kt, stride_kh,
-                       num_k_heads, eps, c1, c2, s1, s2, d, d_ok, HALF, K_HEADS_PAD, IN_BITS)
+                       num_k_heads, eps, c1, c2, s1, s2, d, HALF, K_HEADS_PAD, IN_BITS)
 
 
 def _tile(block: int) -> tuple[int, int]:

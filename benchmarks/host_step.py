@@ -5,6 +5,7 @@ the device waits for (docs/performance.md, "On a GPU": it sat idle 81-85% of dec
 
     python benchmarks/host_step.py [--requests 256] [--tokens 64]
     python benchmarks/host_step.py --device cuda --shape qwen3-0.6b --backend triton [--async]
+    python benchmarks/host_step.py --async --executor mp
 
 Prints ms per step of the whole run, then the parts, each timed around its call. On a GPU,
 `to_host` is the step's wait for its sampled tokens (deferred steps wait in `finish`), and
@@ -29,11 +30,11 @@ from benchmarks.gpu.workloads import QWEN3_06B, TINY, build_model, random_prompt
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.core import kv_cache_manager, scheduler  # noqa: E402
 from treadle.engine import output_processor  # noqa: E402
-from treadle.worker import deferred_step, model_runner  # noqa: E402
+from treadle.worker import deferred_step, model_runner, sampler  # noqa: E402
 
 PARTS = [(scheduler.Scheduler, "schedule"), (kv_cache_manager.KVCacheManager, "allocate_slots"),
          (model_runner.ModelRunner, "execute_model"), (model_runner.ModelRunner, "_forward"),
-         (model_runner.ModelRunner, "_queue_samples"), (model_runner, "sampling_rows"),
+         (model_runner.ModelRunner, "_queue_samples"), (sampler.Sampler, "sample_slots"),
          (model_runner.ModelRunner, "_update_slots"), (model_runner.ModelRunner, "_verify"),
          (model_runner, "to_host"), (deferred_step.DeferredStep, "finish"),
          (scheduler.Scheduler, "update_from_output"),
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=["tiny", "qwen3-0.6b"], default="tiny")
     parser.add_argument("--backend", default="torch", help="attention_backend")
     parser.add_argument("--async", dest="async_scheduling", action="store_true")
+    parser.add_argument("--executor", default="uni", choices=["uni", "mp"],
+                        help="distributed_executor_backend; with mp the worker's parts run in its "
+                             "process, untimed here")
     ns = parser.parse_args()
     seconds = timed_parts()
     shape, dtype = (TINY, torch.float32) if ns.shape == "tiny" else (QWEN3_06B, torch.bfloat16)
@@ -75,7 +79,8 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=ns.tokens, ignore_eos=True)
         with LLM(path, device=ns.device, dtype=str(dtype).removeprefix("torch."),
                  max_num_seqs=max(ns.requests, 8), attention_backend=ns.backend,
-                 async_scheduling=ns.async_scheduling) as llm:
+                 async_scheduling=ns.async_scheduling,
+                 distributed_executor_backend=ns.executor) as llm:
             llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)
             seconds.clear()
             start = time.perf_counter()

@@ -8,6 +8,7 @@ autouse fixture checks that no child process outlives a test, passing or failing
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import shutil
 import signal
@@ -109,6 +110,50 @@ def test_tiny_models_match_transformers(tiny_checkpoints, reference, arch, pp, t
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
         assert llm.get_stats().num_preemptions > 0   # the budget forced some
     assert_exact(outputs, prompts, reference(path))
+
+
+def defer_and_count(worker) -> bool:
+    """Given to collective_rpc: the runner defers its steps (as on a GPU), and the worker counts
+    the steps it deferred (`num_deferred`)."""
+    from treadle.worker.deferred_step import DeferredStep
+
+    runner, worker.num_deferred = worker.runner, 0
+    execute = runner.execute_model
+
+    def counted(so):
+        out = execute(so)
+        worker.num_deferred += isinstance(out, DeferredStep)
+        return out
+
+    runner.execute_model = counted
+    return runner.allow_deferred_steps()
+
+
+def num_deferred(worker) -> int:
+    return worker.num_deferred
+
+
+def test_a_lone_worker_process_defers_its_steps_and_stays_exact(tiny_checkpoints, reference):
+    """executor/mp.py: a lone worker holds a deferred step's reply until the next step is queued
+    behind it, or until the engine, waiting with no later step sent, says FINISH_STEP (one
+    request alone: every step). On a GPU it defers by itself; here it is told to. Chunks,
+    preemptions and a slot's new tenants come between deferred steps."""
+    path = tiny_checkpoints["llama"]
+    prompts = token_ids(path) + [token_ids(path, [TEXTS[3] * 3])[0][:120]]
+    # A step whose reply never comes would hang the engine: end the run with every thread's
+    # stack instead of waiting for CI's limit.
+    faulthandler.dump_traceback_later(300, exit=True)
+    with LLM(path, distributed_executor_backend="mp", async_scheduling=True, **TINY_ARGS) as llm:
+        executor = llm.engine.core.executor
+        assert not executor.defers_steps   # on a CPU, not unless told
+        assert llm.collective_rpc(defer_and_count) == [True]
+        executor.defers_steps = True
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+        assert llm.get_stats().num_preemptions > 0
+        alone = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(), use_tqdm=False)
+        assert llm.collective_rpc(num_deferred)[0] > 2 * MAX_TOKENS
+    faulthandler.cancel_dump_traceback_later()
+    assert_exact(outputs + alone, prompts + prompts[:1], reference(path))
 
 
 @pytest.mark.slow

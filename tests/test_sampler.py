@@ -269,3 +269,57 @@ def test_prompt_logprobs_in_one_batch_equal_them_row_by_row():
     tops = [0, 3, 1, 5, 0, 2, 4]
     assert batched_logprobs(lps, torch.tensor(targets), tops).to_lists() == [
         token_logprobs(lps[j], t, n) for j, (t, n) in enumerate(zip(targets, tops))]
+
+
+def test_a_step_of_plain_argmax_slots_skips_its_rows_and_samples_the_same(monkeypatch):
+    """`Sampler.sample_slots` takes the argmax without building rows exactly where every row
+    would be a plain argmax (`RequestSlots.argmax_from`: greedy, nothing that edits or reads
+    the logits, min_tokens reached), and gives what `sample` over the rows gives, every time."""
+    from treadle.core.scheduler_output import NewRequestData
+    from treadle.worker import sampler as sampler_module
+    from treadle.worker.request_state import RequestSlots
+
+    tenants = [SamplingParams(temperature=0), SamplingParams(temperature=0, min_tokens=3),
+               SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0.7),
+               SamplingParams(temperature=0, repetition_penalty=1.2),
+               SamplingParams(temperature=0, logit_bias={3: 5.0}),
+               SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
+               SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    slots = RequestSlots(len(tenants), 32, 4)
+    for i, params in enumerate(tenants):
+        if i == 7:   # as the engine sets it from `bad_words`
+            params.bad_words_token_ids = [[4]]
+        slots.add(NewRequestData(f"r{i}", [5, 6, 7, 1], 3, params, [[1]], 0, generator_seed=i, eos_token_id=2))
+    built = []
+    rows_of = sampler_module.sampling_rows
+    monkeypatch.setattr(sampler_module, "sampling_rows", lambda *a: built.append(1) or rows_of(*a))
+    s = Sampler(torch.device("cpu"))
+    torch.manual_seed(1)
+    logits = torch.randn(len(tenants), V)
+    for batch in ([0], [0, 8], [1], [0, 1], [2], [3], [4], [5], [6], [7], list(range(len(tenants)))):
+        ids = np.array(batch)
+        built.clear()
+        fast = s.sample_slots(logits[batch].clone(), slots, ids).to_lists()
+        plain = all(sampler_module._argmax_only(r) for r in rows_of(slots, ids))
+        assert (not built) == plain == (batch in ([0], [0, 8])), batch
+        assert fast == s(logits[batch].clone(), rows_of(slots, ids)), batch
+    # Slot 1's min_tokens (3) is reached at its third output token: from then on, plain.
+    slots.append_tokens(np.array([1]), np.array([2]), [6, 6])
+    built.clear()
+    s.sample_slots(logits[[0, 1]].clone(), slots, np.array([0, 1]))
+    assert not built
+
+
+def test_append_tokens_writes_each_slots_tokens_after_its_own():
+    from treadle.core.scheduler_output import NewRequestData
+    from treadle.worker.request_state import RequestSlots
+
+    slots = RequestSlots(3, 16, 2)
+    for i, n in enumerate((2, 5, 3)):
+        slots.add(NewRequestData(f"r{i}", list(range(10 * i, 10 * i + n)), n,
+                                 SamplingParams(), [[1]], 0, generator_seed=0))
+    slots.append_tokens(np.array([2, 0]), np.array([3, 1]), [7, 8, 9, 4])
+    assert slots.num_tokens.tolist() == [3, 5, 6]
+    assert slots.token_ids[2, :7].tolist() == [20, 21, 22, 7, 8, 9, 0]
+    assert slots.token_ids[0, :4].tolist() == [0, 1, 4, 0]
+    assert slots.token_ids[1, :6].tolist() == [10, 11, 12, 13, 14, 0]

@@ -158,6 +158,8 @@ class Request:
     def _update_block_hashes(self) -> None:
         bs = self._block_size
         start = len(self.block_hashes)
+        if len(self.all_token_ids) < (start + 1) * bs:
+            return   # most new tokens fill no block
         first_keys = tuple(k for k in (self.cache_salt, "long_rope" if self.long_rope else None) if k)
         for i in range(start, self.num_tokens // bs):
             parent = self.block_hashes[i - 1] if i > 0 else None

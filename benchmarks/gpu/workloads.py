@@ -138,10 +138,17 @@ def throughput_requests(ns: argparse.Namespace, folder: str):
 def throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     """The requests through the engine as configured, then again with async scheduling (the
     host prepares step N+1 while the device runs step N)."""
+    return run_throughput(ns, folder, {"treadle": ns.engine,
+                                       "async": ns.engine | {"async_scheduling": True}})
+
+
+def run_throughput(ns: argparse.Namespace, folder: str,
+                   engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The throughput requests through each engine: `{name}_s` and `{name}_output_tok_s`."""
     path, prompts, outputs = throughput_requests(ns, folder)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outputs]
     result: dict[str, Any] = {"requests": len(prompts), "output_tokens": sum(outputs)}
-    for name, engine in (("treadle", ns.engine), ("async", ns.engine | {"async_scheduling": True})):
+    for name, engine in engines.items():
         with LLM(path, device=ns.device, dtype="bfloat16", **engine) as llm:
             llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)   # warm-up
             sync(ns.device)
@@ -151,6 +158,51 @@ def throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
             elapsed = time.perf_counter() - start
         result |= {f"{name}_s": elapsed, f"{name}_output_tok_s": sum(outputs) / elapsed}
     return result
+
+
+def worker_process(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    """Async scheduling with the worker in a process of its own (distributed_executor_backend
+    "mp"; executor/mp.py): the engine's scheduling and output processing then run beside the
+    worker's step, with no GIL between them. Throughput and batch-1 TPOT, to compare with the
+    other parts' async runs, whose worker is a thread of the engine's process."""
+    engine = ns.engine | {"async_scheduling": True, "distributed_executor_backend": "mp"}
+    result = run_throughput(ns, folder, {"mp_async": engine})
+    result |= {"batch1": batch1(ns, latency_model(ns, folder), engine)}
+    return result
+
+
+def latency_model(ns: argparse.Namespace, folder: str) -> str:
+    shape = TINY if ns.small else QWEN3_06B
+    path = os.path.join(folder, "qwen3")
+    if not os.path.isdir(path):
+        build_model("Qwen3", shape, path, torch.bfloat16)
+    return path
+
+
+def batch1(ns: argparse.Namespace, path: str, engine: dict[str, Any]) -> dict[str, Any]:
+    """Batch-1 latency: a 128-token prompt, then 256 output tokens (32 with --small): TTFT and
+    TPOT, medians of three runs after a warm-up; and whether decode steps had CUDA graphs
+    (None where the worker is in another process)."""
+    shape = TINY if ns.small else QWEN3_06B
+    prompt = random_prompts(1, (128, 128), shape["vocab_size"], seed=4)[0]
+    out_tokens = 32 if ns.small else 256
+    with LLM(path, device=ns.device, dtype="bfloat16", max_num_seqs=16, **engine) as llm:
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        full = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)   # warm-up
+        ttft, total = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
+            ttft.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)
+            total.append(time.perf_counter() - start)
+        worker = getattr(llm.engine.core.executor, "worker", None)
+        graphs = (worker.runner.graphs is not None and bool(worker.runner.graphs.graphs)
+                  if worker is not None else None)
+    tpot = (statistics.median(total) - statistics.median(ttft)) / (out_tokens - 1)
+    return {"ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * tpot, "cuda_graphs": graphs}
 
 
 def transformers_throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
@@ -233,38 +285,27 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
+def safetensors_data_bytes(path: str) -> int:
+    """The bytes of the tensors in a model folder's safetensors files: each file less its
+    header (an 8-byte little-endian length, then that many bytes of JSON)."""
+    total = 0
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(path, name), "rb") as f:
+                header = int.from_bytes(f.read(8), "little")
+            total += os.path.getsize(os.path.join(path, name)) - 8 - header
+    return total
+
+
 def latency(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
-    shape = TINY if ns.small else QWEN3_06B
-    path = os.path.join(folder, "qwen3")
-    if not os.path.isdir(path):
-        build_model("Qwen3", shape, path, torch.bfloat16)
-    prompt = random_prompts(1, (128, 128), shape["vocab_size"], seed=4)[0]
-    out_tokens = 32 if ns.small else 256
-    result: dict[str, Any] = {}
+    path = latency_model(ns, folder)
     # On the triton backend decode steps replay CUDA graphs; the eager run shows what they save.
     # Async scheduling overlaps the host's next step with the device's current one.
     variants = {"default": ns.engine, "async": ns.engine | {"async_scheduling": True}}
     if ns.engine.get("attention_backend") == "triton":
         variants["eager"] = ns.engine | {"enforce_eager": True}
-    for name, engine in variants.items():
-        with LLM(path, device=ns.device, dtype="bfloat16", max_num_seqs=16, **engine) as llm:
-            runner = llm.engine.core.executor.worker.runner
-            weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-            first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-            full = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
-            llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)   # warm-up
-            ttft, total = [], []
-            for _ in range(3):
-                start = time.perf_counter()
-                llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
-                ttft.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                llm.generate([{"prompt_token_ids": prompt}], full, use_tqdm=False)
-                total.append(time.perf_counter() - start)
-            graphs = runner.graphs is not None and bool(runner.graphs.graphs)
-        tpot = (statistics.median(total) - statistics.median(ttft)) / (out_tokens - 1)
-        result[name] = {"ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * tpot,
-                        "cuda_graphs": graphs}
+    result: dict[str, Any] = {name: batch1(ns, path, engine) for name, engine in variants.items()}
+    weight_bytes = safetensors_data_bytes(path)
     bandwidth = copy_bandwidth(ns.device, 256 << 20 if ns.small else 2 << 30)
     floor = weight_bytes / bandwidth
     result.update({"weight_bytes": weight_bytes, "copy_GB_s": bandwidth / 1e9,
@@ -349,11 +390,12 @@ def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
         log.close()
 
 
-# transformers' throughput last: the part least known to fit the check's time, so that a
-# limit it runs past costs no other part's figures.
+# The worker process, then transformers' throughput, last: the parts least known to fit the
+# check's time, so that a limit they run past costs no other part's figures (transformers' has
+# run on a GPU before, docs/performance.md).
 PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
     "exactness": exactness, "latency": latency, "profile": profile, "throughput": throughput,
-    "serving": serving, "transformers": transformers_throughput}
+    "serving": serving, "worker_process": worker_process, "transformers": transformers_throughput}
 
 
 def main() -> int:
@@ -398,6 +440,9 @@ def main() -> int:
             summary = f"{part['output_tok_s']:.0f} output tok/s, {part['requests']} requests ({part['mode']})"
             if "treadle_output_tok_s" in report.get("throughput", {}):
                 summary += f"; treadle {report['throughput']['treadle_output_tok_s'] / part['output_tok_s']:.2f}x"
+        elif name == "worker_process":
+            summary = (f"async, worker process: {part['mp_async_output_tok_s']:.0f} output tok/s; "
+                       f"batch-1 TPOT {part['batch1']['tpot_ms']:.2f} ms")
         elif name == "latency":
             summary = (f"TPOT {part['default']['tpot_ms']:.2f} ms (graphs: "
                        f"{part['default']['cuda_graphs']}), floor {part['floor_ms']:.2f} ms "
@@ -408,7 +453,7 @@ def main() -> int:
         else:
             summary = "; ".join(f"{k}: wall {v['wall_s']:.2f}s, device busy {v['device_busy_s']:.2f}s"
                                 for k, v in part.items() if k != "part_s")
-        print(f"{name:<11} {part['part_s']:6.1f}s  {summary}")
+        print(f"{name:<14} {part['part_s']:6.1f}s  {summary}")
     return 1 if failed else 0
 
 

@@ -150,11 +150,11 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             changed.setdefault(state.request_id, (state, {}))[1][sample.index] = sample
-            if sample.finished:
+            if sample.finished:   # the request's other samples did not change here
                 self._retire(sample)
-            if state.finished:
-                del self.requests[state.request_id]
-                self._observe_finished(state, now)
+                if state.finished:
+                    del self.requests[state.request_id]
+                    self._observe_finished(state, now)
         ready = [out for state, samples in changed.values()
                  if (out := self._make_output(state, list(samples.values()))) is not None]
         return ready, stopped_by_string

@@ -7,6 +7,12 @@ dies or fails ends the executor: the error names the rank, and every later call 
 
 The ranks meet through torch.distributed's store, hosted here, so a port already in use is an
 error in this process before anything is spawned.
+
+With one worker on a GPU and async scheduling, the worker defers steps (worker/deferred_step.py)
+as the in-process executor's thread does, and more: the engine's scheduling and output
+processing run in this process, beside the worker's input preparation and sampling, with no
+GIL between them. A deferred step's reply comes when the next step is queued behind it; the
+engine, waiting for a step with none sent after it, sends FINISH_STEP instead.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import INIT_TIMEOUT, output_rank
 from treadle.executor.base import Executor
-from treadle.executor.mp_worker import SHUTDOWN, dumps, worker_main
+from treadle.executor.mp_worker import FINISH_STEP, SHUTDOWN, allow_deferred_steps, dumps, worker_main
 from treadle.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,8 @@ class PendingStep:
 
     def result(self) -> ModelRunnerOutput:
         ex = self._executor
+        if ex.defers_steps and ex._last_step == self._call_id:
+            ex._finish_last_step()
         if ex.kv_outputs is None:
             return ex._wait(self._call_id, [ex.output_rank])[0]
         return ex.kv_outputs.aggregate(self._so, ex._wait(self._call_id, range(ex.world_size)),
@@ -72,6 +80,9 @@ class MultiprocExecutor(Executor):
         # kills its workers and removes its socket's folder.
         self._finalizer = weakref.finalize(self, _clean_up, self.procs, self._ipc_dir)
         self._store: dist.TCPStore | None = None
+        self.defers_steps = False   # the lone worker's runner defers steps (module docstring)
+        self._last_step = 0         # the call id of the last step sent
+        self._finish_sent = 0       # ... and of the last one FINISH_STEP was sent for
         super().__init__(config)
 
     def _start_workers(self, config: TreadleConfig) -> list[int]:
@@ -96,15 +107,25 @@ class MultiprocExecutor(Executor):
         num_blocks = self._wait(0, range(self.world_size), starting=True)
         logger.info("mp executor: %d workers (pp=%d, tp=%d), %d threads each", self.world_size,
                     parallel.pipeline_parallel_size, parallel.tensor_parallel_size, threads)
+        if self.world_size == 1 and config.scheduler.async_scheduling and config.device.startswith("cuda"):
+            self.defers_steps = self._collective_rpc(allow_deferred_steps, (), {})[0]
         return num_blocks
 
     # -- calls -------------------------------------------------------------------------
     def _execute_model(self, scheduler_output: SchedulerOutput,
                        non_block: bool) -> ModelRunnerOutput | PendingStep:
         reply_from = set(range(self.world_size)) if self.kv_outputs else {self.output_rank}
-        call_id = self._send("execute_model", (scheduler_output,), {}, reply_from=reply_from)
+        call_id = self._last_step = self._send("execute_model", (scheduler_output,), {},
+                                               reply_from=reply_from)
         pending = PendingStep(self, call_id, scheduler_output)
         return pending if non_block else pending.result()
+
+    def _finish_last_step(self) -> None:
+        """Have the worker send the last step sent, if it holds it deferred: no later step will
+        finish it."""
+        if self._finish_sent != self._last_step:
+            self._finish_sent = self._last_step
+            self._send(FINISH_STEP, (), {}, reply_from=set())
 
     def _warm_grammar(self, params: StructuredOutputsParams) -> None:
         """Tell every worker a request's grammar as the request arrives, so that the ranks that

@@ -7,6 +7,8 @@ The wire, over ZeroMQ (a DEALER here, the engine's ROUTER there):
                     report only failures. The call is pickled once for all ranks.
   worker -> engine: the pickled (call_id, rank, ok, result): the result, or a RemoteError.
 Call 0 is start-up: every rank reports its KV block count, or why it could not start.
+A lone worker with deferred steps (executor/mp.py) replies to a step once the next step is
+queued behind it, or when told FINISH_STEP: replies still come in the order of the calls.
 
 A worker exits when told to (at once, with code 0), and on its own when its parent is gone (a parent killed with
 SIGKILL runs no clean-up), so no worker outlives the engine.
@@ -34,6 +36,8 @@ from treadle.config import TreadleConfig
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
+# Send the deferred step the worker holds, if any (no reply of its own).
+FINISH_STEP = "finish_step"
 PARENT_POLL_S = 0.5
 
 
@@ -111,10 +115,36 @@ def _start(rank: int, config: TreadleConfig, store_port: int):
 
 
 def _serve(rank: int, worker, sock: zmq.Socket) -> None:
+    from treadle.worker.deferred_step import DeferredStep
+
+    # A deferred step (worker/deferred_step.py) whose reply waits: its tokens are still on the
+    # device. The next step finishes it once queued behind it, and it is sent then; so is it
+    # on FINISH_STEP, and before any call other than a step or a grammar's warm-up.
+    held: tuple[int, DeferredStep] | None = None
+
+    def send(call_id: int, ok: bool, result: Any) -> None:
+        try:
+            sock.send(dumps((call_id, rank, ok, result)))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            sock.send(dumps((call_id, rank, False, _remote_error(rank, e))))
+
+    def send_held() -> None:
+        nonlocal held
+        (call_id, step), held = held, None
+        try:
+            send(call_id, True, worker.runner.finish_deferred(step))
+        except Exception as e:   # as a failed step: the engine ends the executor
+            logger.exception("finishing step %d failed", call_id)
+            send(call_id, False, _remote_error(rank, e))
+
     while True:
         flag, message = sock.recv_multipart()
         call_id, method, args, kwargs = pickle.loads(message)
         reply = flag == b"1"
+        if held is not None and method not in ("execute_model", "warm_grammar"):
+            send_held()
+        if method == FINISH_STEP:
+            continue
         if method == SHUTDOWN:
             sock.send(dumps((call_id, rank, True, None)))
             return
@@ -125,11 +155,18 @@ def _serve(rank: int, worker, sock: zmq.Socket) -> None:
         except Exception as e:   # reported to the engine, which decides what it means
             logger.exception("call %s failed", getattr(method, "__name__", method))
             result, ok, reply = _remote_error(rank, e), False, True
-        if reply:
-            try:
-                sock.send(dumps((call_id, rank, ok, result)))
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-                sock.send(dumps((call_id, rank, False, _remote_error(rank, e))))
+        if held is not None and method == "execute_model":
+            send_held()   # this step, queued behind it, finished it (or it finishes now)
+        if ok and isinstance(result, DeferredStep):
+            assert reply, "only a rank that replies defers its steps"
+            held = (call_id, result)
+        elif reply:
+            send(call_id, ok, result)
+
+
+def allow_deferred_steps(worker) -> bool:
+    """Turn on the runner's deferred steps where it can (a collective_rpc callable)."""
+    return worker.runner.allow_deferred_steps()
 
 
 def _remote_error(rank: int, e: BaseException) -> RemoteError:

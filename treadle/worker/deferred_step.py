@@ -29,7 +29,7 @@ from treadle.device_copy import HostCopy, to_device
 from treadle.worker.grammar import GrammarMatchers
 from treadle.worker.prompt_logprobs import PromptLogprobs
 from treadle.worker.request_state import PLACEHOLDER, RequestSlots
-from treadle.worker.sampler import Sampler, SamplerOutput, ruled_out_error, sampling_rows
+from treadle.worker.sampler import Sampler, SamplerOutput, ruled_out_error
 
 
 @dataclass
@@ -54,11 +54,10 @@ class DeferredStep:
         `ends` entry. `previous`: the deferred step before, if still unfinished (its tokens are
         the PLACEHOLDERs the penalties count); a constrained row's matcher must be past it."""
         slot_ids = idx[rows]
-        samples = sampler.sample(logits, sampling_rows(slots, slot_ids),
-                                 grammars.bitmask(slot_ids, [[] for _ in slot_ids]), previous)
+        samples = sampler.sample_slots(logits, slots, slot_ids, None,
+                                       grammars.bitmask(slot_ids, [[] for _ in slot_ids]), previous)
         positions = slots.num_tokens[slot_ids].copy()
-        for slot in slot_ids:
-            slots.append_token(slot, PLACEHOLDER)
+        slots.append_tokens(slot_ids, np.ones(len(slot_ids), dtype=np.int64), [PLACEHOLDER] * len(slot_ids))
         slots.num_computed_tokens[idx] = ends
         return cls(req_ids, rows, slot_ids, positions, samples, prompt,
                    HostCopy([*samples.tensors(), *prompt.tensors()]))
@@ -68,6 +67,10 @@ class DeferredStep:
         its token is reported but never written into the slot."""
         self.dropped.add(slot)
 
+    def _kept(self) -> np.ndarray:
+        """Indices of the sampling rows whose request still holds its slot (not `dropped`)."""
+        return np.flatnonzero(~np.isin(self.slots, list(self.dropped)))
+
     def device_tokens_for(self, token_slot: np.ndarray, positions: np.ndarray
                           ) -> tuple[np.ndarray, torch.Tensor] | None:
         """The entries (each a slot and a position: a step's input rows, or a penalty's output
@@ -76,9 +79,8 @@ class DeferredStep:
         num_slots = max(int(token_slot.max(initial=0)), int(self.slots.max(initial=0))) + 1
         pending_pos = np.full(num_slots, -1, dtype=np.int64)
         pending_row = np.zeros(num_slots, dtype=np.int64)
-        for k, (slot, pos) in enumerate(zip(self.slots.tolist(), self.positions.tolist())):
-            if slot not in self.dropped:
-                pending_pos[slot], pending_row[slot] = pos, k
+        kept = self._kept()
+        pending_pos[self.slots[kept]], pending_row[self.slots[kept]] = self.positions[kept], kept
         rows = np.flatnonzero(pending_pos[token_slot] == positions)
         if not len(rows):
             return None
@@ -95,16 +97,19 @@ class DeferredStep:
         host = self.host_copy.wait()
         tokens, token_lps = self.samples.to_lists(host[:len(sample_tensors)])
         ruled_out = self.samples.rows_ruled_out(host[:len(sample_tensors)])
+        kept = self._kept()
+        slot_ids, positions = self.slots[kept], self.positions[kept]
+        moved = slot_ids[slots.token_ids[slot_ids, positions] != PLACEHOLDER]
+        assert not len(moved), f"slots {moved.tolist()} moved under a deferred token"
+        slots.token_ids[slot_ids, positions] = np.asarray(tokens, dtype=np.int64)[kept]
         errors: dict[str, str] = {}
-        for k, (r, slot, pos, token) in enumerate(zip(self.sampled_rows.tolist(), self.slots.tolist(),
-                                                      self.positions.tolist(), tokens)):
-            if slot not in self.dropped:
-                assert slots.token_ids[slot, pos] == PLACEHOLDER, f"slot {slot} moved under a deferred token"
-                slots.token_ids[slot, pos] = token
+        if ruled_out or grammars.any_constrained(slot_ids):
+            for k, slot, pos in zip(kept.tolist(), slot_ids.tolist(), positions.tolist()):
+                r = int(self.sampled_rows[k])
                 if k in ruled_out:
                     errors[self.req_ids[r]] = ruled_out_error(pos - int(slots.num_prompt_tokens[slot]))
                     slots.grammar[slot] = None   # as after a refusal: its tokens are dropped
-                elif (error := grammars.accept(slot, [token], pos)) is not None:
+                elif (error := grammars.accept(slot, [tokens[k]], pos)) is not None:
                     errors[self.req_ids[r]] = error
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         logprobs: dict[str, list[TokenLogprobs]] = {}

@@ -83,6 +83,11 @@ class GrammarMatchers:
             assert accepted, f"{new.req_id}: its own output token {t} breaks its grammar"
         self.slots.grammar[slot] = matcher
 
+    def any_constrained(self, slot_ids: np.ndarray) -> bool:
+        """Whether any of these slots has a grammar (a matcher, or one waiting for the reasoning)."""
+        grammar = self.slots.grammar
+        return any(grammar[s] is not None for s in slot_ids.tolist())
+
     def waits_for_tokens(self, slot_ids: np.ndarray) -> bool:
         """Whether any of these slots' next mask needs its last token on the host: a matcher
         advances there. A grammar still waiting for the end of the reasoning does not: whether
@@ -102,6 +107,8 @@ class GrammarMatchers:
         """Masks for the sampling rows (1 + k per request, k drafts); None when no row is
         constrained. Rows past a request's first draft the grammar refuses stay free:
         verification stops at that draft, so their samples are never kept."""
+        if not self.any_constrained(slot_ids):
+            return None   # most steps: one pass, nothing built
         matchers: list[Matcher | None] = []
         # row: the waiting grammar whose first mask it takes, and (slot, position, token)
         ends_on_device: dict[int, tuple[AfterReasoning, int, int, int]] = {}

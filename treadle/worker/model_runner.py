@@ -25,7 +25,7 @@ from treadle.worker.device import worker_device
 from treadle.worker.request_state import PLACEHOLDER, RequestSlots
 from treadle.worker.sampled_inbox import SampledInbox
 from treadle.worker.prompt_logprobs import queue_prompt_logprobs
-from treadle.worker.sampler import Sampler, SamplerOutput, ruled_out_error, sampling_rows
+from treadle.worker.sampler import Sampler, SamplerOutput, ruled_out_error
 from treadle.worker.spec_decode.ngram import NgramProposer
 from treadle.worker.weight_controls import WeightControls
 
@@ -352,15 +352,14 @@ class ModelRunner(WeightControls):
                 queued.rows_ruled_out(host[:len(sample_tensors)]))
             request_errors = {req_ids[r]: slot_errors[int(idx[r])] for r in rows
                               if int(idx[r]) in slot_errors}
-            for r, tokens, lps in zip(rows, sampled_rows, logprobs_rows):
-                slot = int(idx[r])
-                for tok in tokens:
-                    slots.append_token(slot, tok)
+            counts = np.array([len(tokens) for tokens in sampled_rows], dtype=np.int64)
+            slots.append_tokens(idx[rows], counts, [t for tokens in sampled_rows for t in tokens])
+            # Rejected drafts were computed but are not part of the sequence.
+            ends[rows] -= num_drafts[rows] - (counts - 1)
+            for r, tokens, lps in zip(rows.tolist(), sampled_rows, logprobs_rows):
                 sampled[r] = tokens
                 if lps is not None:
                     logprobs[req_ids[r]] = lps
-                # Rejected drafts were computed but are not part of the sequence.
-                ends[r] -= num_drafts[r] - (len(tokens) - 1)
             if self.link is not None:
                 self.link.send_sampled([t for r in rows for t in sampled[r]])
         slots.num_computed_tokens[idx] = ends
@@ -399,10 +398,11 @@ class ModelRunner(WeightControls):
                        drafts: list[list[int]]) -> SamplerOutput:
         """Queue the sampling of each request's next token; with k drafts, of all 1 + k positions
         (rows from `first_rows`), each as decoding one token at a time would sample it."""
-        row_index = [int(first) + j for first, d in zip(first_rows, drafts) for j in range(len(d) + 1)]
+        counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
+        row_index = np.repeat(first_rows - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
         logits = self.model.compute_logits(hidden[to_device(row_index, self.device, torch.int64)])
-        return self.sampler.sample(logits, sampling_rows(self.slots, slot_ids, drafts),
-                                   self.grammars.bitmask(slot_ids, drafts))
+        return self.sampler.sample_slots(logits, self.slots, slot_ids, drafts,
+                                         self.grammars.bitmask(slot_ids, drafts))
 
     def _verify(self, samples: tuple[list[int], list[TokenLogprobs | None]], slot_ids: np.ndarray,
                 drafts: list[list[int]], ruled_out: set[int]) -> tuple[
@@ -418,6 +418,9 @@ class ModelRunner(WeightControls):
         n-gram drafts.
         """
         tokens, token_lps = samples
+        if not ruled_out and not self.grammars.any_constrained(slot_ids) and not any(drafts):
+            # Most steps: a token each, with nothing to check it against.
+            return [[t] for t in tokens], [None if lp is None else [lp] for lp in token_lps], {}
         out_tokens, out_lps, errors = [], [], {}
         pos = 0
         for slot, d in zip(slot_ids, drafts):

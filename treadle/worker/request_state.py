@@ -6,6 +6,8 @@ so nothing from the previous one (its tokens, blocks, counters, seed, grammar) c
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from treadle.core.scheduler_output import NewRequestData
@@ -17,6 +19,9 @@ from treadle.structured_output.reasoning import AfterReasoning
 # token id, so an input row or a penalty count that reads it unresolved fails at once instead of
 # computing on a wrong token.
 PLACEHOLDER = -1
+
+# `RequestSlots.argmax_from` of a tenant whose rows are never a plain argmax.
+NEVER = np.iinfo(np.int64).max
 
 
 class RequestSlots:
@@ -31,6 +36,10 @@ class RequestSlots:
         self.block_table = np.zeros((num_kv_groups, max_num_reqs, max_blocks_per_req), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)   # the same in every group
         self.long_rope = np.zeros(max_num_reqs, dtype=bool)   # NewRequestData.long_rope
+        # The output count from which the tenant's rows are a plain argmax (its min_tokens, where
+        # its parameters are greedy with nothing that edits or reads the logits; else NEVER):
+        # a step whose rows all are one skips building them (worker/sampler.py, `sample_slots`).
+        self.argmax_from = np.full(max_num_reqs, NEVER, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.seeds = [0] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -56,6 +65,7 @@ class RequestSlots:
         self.append_blocks(slot, new.block_ids)
         self.long_rope[slot] = new.long_rope
         self.params[slot] = new.sampling_params
+        self.argmax_from[slot] = argmax_from(new.sampling_params)
         self.seeds[slot] = new.generator_seed
         self.eos_token_ids[slot] = new.eos_token_id
         self.req_ids[slot] = new.req_id
@@ -94,8 +104,27 @@ class RequestSlots:
         self.token_ids[slot, n] = token_id
         self.num_tokens[slot] = n + 1
 
+    def append_tokens(self, slot_ids: np.ndarray, counts: np.ndarray, token_ids: Sequence[int]) -> None:
+        """Append `counts[i]` tokens to slot `slot_ids[i]` (distinct slots), taken in order from
+        `token_ids`, all in one write."""
+        assert len(token_ids) == counts.sum() and len(np.unique(slot_ids)) == len(slot_ids)
+        offsets = np.arange(len(token_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.token_ids[np.repeat(slot_ids, counts),
+                       np.repeat(self.num_tokens[slot_ids], counts) + offsets] = token_ids
+        self.num_tokens[slot_ids] += counts
+
     def prompt_ids(self, slot: int) -> np.ndarray:
         return self.token_ids[slot, :self.num_prompt_tokens[slot]]
 
     def output_ids(self, slot: int) -> np.ndarray:
         return self.token_ids[slot, self.num_prompt_tokens[slot]:self.num_tokens[slot]]
+
+
+def argmax_from(p: SamplingParams) -> int:
+    """The output count from which a request's rows are a plain argmax: greedy, with nothing
+    that edits its logits (a bias, a penalty, allowed or bad tokens; min_tokens until reached)
+    or reads its log-probabilities. NEVER where some parameter always does."""
+    plain = (p.temperature < 1e-5 and p.logprobs is None and p.repetition_penalty == 1.0
+             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias
+             and p.allowed_token_ids is None and not p.bad_words_token_ids)
+    return p.min_tokens if plain else NEVER

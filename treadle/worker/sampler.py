@@ -28,7 +28,7 @@ from treadle.device_copy import to_device, to_host
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.sampling_params import SamplingParams
 from treadle.worker.grammar import GrammarMask, apply_token_bitmask
-from treadle.worker.request_state import PLACEHOLDER
+from treadle.worker.request_state import PLACEHOLDER, argmax_from
 from treadle.worker.sampling_random import exponential_noise, row_key
 
 if TYPE_CHECKING:
@@ -148,10 +148,7 @@ def has_penalties(p: SamplingParams) -> bool:
 def _argmax_only(row: SamplingRow) -> bool:
     """Greedy, with nothing that edits the row's logits (a bias, min_tokens still to reach, a
     penalty) or reads its log-probabilities."""
-    p = row.params
-    return (p.temperature < 1e-5 and p.logprobs is None and len(row.output_ids) >= p.min_tokens
-            and not has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
-            and not p.bad_words_token_ids)
+    return len(row.output_ids) >= argmax_from(row.params)
 
 
 def _put(logits: torch.Tensor, row_ids: list[int], token_ids: list[int],
@@ -350,6 +347,18 @@ class Sampler:
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """`sample`, converted to Python lists."""
         return self.sample(logits, rows, grammar_mask).to_lists()
+
+    def sample_slots(self, logits: torch.Tensor, slots: RequestSlots, slot_ids: np.ndarray,
+                     drafts: Sequence[Sequence[int]] | None = None,
+                     grammar_mask: GrammarMask | None = None,
+                     deferred: DeviceTokens | None = None) -> SamplerOutput:
+        """`sample` for these slots' rows (`sampling_rows`). A step whose rows are all a plain
+        argmax, as the slots' `argmax_from` tells at once, takes it without building them:
+        most greedy steps, where a row each costs more host time than the argmax itself."""
+        outputs = slots.num_tokens[slot_ids] - slots.num_prompt_tokens[slot_ids]
+        if grammar_mask is None and (outputs >= slots.argmax_from[slot_ids]).all():
+            return SamplerOutput(self._argmax(logits), None, [])
+        return self.sample(logits, sampling_rows(slots, slot_ids, drafts), grammar_mask, deferred)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                grammar_mask: GrammarMask | None = None,

@@ -60,3 +60,23 @@ def record_waits(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, 
     runner.execute_model = execute_and_look
     monkeypatch.setattr(DeferredStep, "queue", classmethod(queue_and_record))
     return waits
+
+
+def defer_and_count(worker) -> bool:
+    """Given to collective_rpc (a worker process's runner, executor/mp.py): the runner defers
+    its steps, as on a GPU, and the worker counts the steps it deferred (`worker_num_deferred`)."""
+    runner, worker.num_deferred = worker.runner, 0
+    execute = runner.execute_model
+
+    def counted(so):
+        out = execute(so)
+        worker.num_deferred += isinstance(out, DeferredStep)
+        return out
+
+    runner.execute_model = counted
+    return runner.allow_deferred_steps()
+
+
+def worker_num_deferred(worker) -> int:
+    """Given to collective_rpc after `defer_and_count`: the steps the worker deferred."""
+    return worker.num_deferred

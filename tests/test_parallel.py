@@ -23,6 +23,7 @@ import psutil
 import pytest
 import torch
 
+from tests.deferred import defer_and_count, worker_num_deferred
 from tests.test_correctness import TEXTS
 from treadle import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from treadle.engine.llm_engine import LLMEngine
@@ -112,27 +113,6 @@ def test_tiny_models_match_transformers(tiny_checkpoints, reference, arch, pp, t
     assert_exact(outputs, prompts, reference(path))
 
 
-def defer_and_count(worker) -> bool:
-    """Given to collective_rpc: the runner defers its steps (as on a GPU), and the worker counts
-    the steps it deferred (`num_deferred`)."""
-    from treadle.worker.deferred_step import DeferredStep
-
-    runner, worker.num_deferred = worker.runner, 0
-    execute = runner.execute_model
-
-    def counted(so):
-        out = execute(so)
-        worker.num_deferred += isinstance(out, DeferredStep)
-        return out
-
-    runner.execute_model = counted
-    return runner.allow_deferred_steps()
-
-
-def num_deferred(worker) -> int:
-    return worker.num_deferred
-
-
 def test_a_lone_worker_process_defers_its_steps_and_stays_exact(tiny_checkpoints, reference):
     """executor/mp.py: a lone worker holds a deferred step's reply until the next step is queued
     behind it, or until the engine, waiting with no later step sent, says FINISH_STEP (one
@@ -151,7 +131,7 @@ def test_a_lone_worker_process_defers_its_steps_and_stays_exact(tiny_checkpoints
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
         assert llm.get_stats().num_preemptions > 0
         alone = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(), use_tqdm=False)
-        assert llm.collective_rpc(num_deferred)[0] > 2 * MAX_TOKENS
+        assert llm.collective_rpc(worker_num_deferred)[0] > 2 * MAX_TOKENS
     faulthandler.cancel_dump_traceback_later()
     assert_exact(outputs + alone, prompts + prompts[:1], reference(path))
 

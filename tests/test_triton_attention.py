@@ -456,3 +456,25 @@ def test_the_engine_on_cuda_matches_transformers(tiny_checkpoints, reference, ar
     prompts, follow_up = _engine_prompts(path)
     result = run_engine(path, prompts, follow_up, 24, "cuda")
     _check_engine(result, path, prompts, follow_up, 24, reference)
+
+
+@pytest.mark.gpu
+def test_a_lone_worker_process_on_cuda_defers_by_itself_and_matches_transformers(
+        tiny_checkpoints, reference):
+    """The mp executor with one worker on CUDA and async scheduling defers its steps without
+    being told (executor/mp.py), and stays token-identical to transformers."""
+    from tests.deferred import defer_and_count, worker_num_deferred
+    from treadle import LLM, SamplingParams
+
+    path = tiny_checkpoints["qwen3"]
+    prompts = _engine_prompts(path)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(path, device="cuda", dtype="float32", attention_backend="triton", block_size=16,
+             async_scheduling=True, distributed_executor_backend="mp", **shared_gpu("cuda")) as llm:
+        assert llm.engine.core.executor.defers_steps
+        assert llm.collective_rpc(defer_and_count) == [True]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        assert llm.collective_rpc(worker_num_deferred)[0] >= 2 * 23
+    want = [reference(path).greedy(p, 24) for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outs + alone] == want + want[:1]

@@ -22,7 +22,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
         && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# Each part has a limit of its own, so the whole check stays within 8 minutes (475 s of limits).
+# Each part has a limit of its own, so the whole check stays within 8 minutes (480 s of limits).
 # Every `gpu` test but the sizing's, in 8 pytest-xdist workers where xdist is installed: Triton's
 # first compiles (most of the time on a fresh machine) overlap, and each engine takes the fixed
 # KV cache tests/gpu.py names. A module whose imports this machine lacks must not stop the
@@ -38,7 +38,7 @@ run gpu_tests timeout -s INT -k 5 165 "$PY" -m pytest -q -rfE -m gpu ${OPTS[@]+"
     --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml"
 # KV sizing by gpu_memory_utilization, and the error when memory is held at start-up: alone on
 # the device, as they measure it.
-run memory_profile timeout 40 "$PY" -m pytest -q -rfE -m gpu tests/test_memory_profile.py \
+run memory_profile timeout 35 "$PY" -m pytest -q -rfE -m gpu tests/test_memory_profile.py \
     --junitxml="$OUT/memory_profile.xml"
 # Issue 45's workloads (exactness, latency, profile, throughput, serving where the wheels are,
 # transformers' throughput): $OUT/workloads.json. On the triton backend: its kernels, fused ops
@@ -48,5 +48,8 @@ run workloads timeout 240 "$PY" benchmarks/gpu/workloads.py --out "$OUT" \
 # Issue 45's choice for the norms, SiLU-and-mul and RoPE: eager, torch.compile or Triton, timed;
 # $OUT/fused_ops.json. torch.compile stops starting at 12 s, so the times so far are written.
 run fused_ops timeout 25 "$PY" benchmarks/gpu/fused_ops.py --budget-s 12 --out "$OUT"
+# When decodes should take the split-KV path: the unified kernel against 2-16 splits, batches of
+# 1-32, contexts of 256-4096, in CUDA graphs; $OUT/decode_attention.json.
+run decode_attention timeout 15 "$PY" benchmarks/gpu/decode_attention.py --out "$OUT"
 cat "$OUT/summary.txt"
 exit $status

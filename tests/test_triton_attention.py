@@ -478,3 +478,23 @@ def test_a_lone_worker_process_on_cuda_defers_by_itself_and_matches_transformers
         assert llm.collective_rpc(worker_num_deferred)[0] >= 2 * 23
     want = [reference(path).greedy(p, 24) for p in prompts]
     assert [list(o.outputs[0].token_ids) for o in outs + alone] == want + want[:1]
+
+
+def test_the_decode_attention_benchmark_dry_runs_on_the_interpreter(tmp_path):
+    """benchmarks/gpu/decode_attention.py as check.sh runs it, but interpreted on the CPU at
+    tiny shapes: every split count checked against the unified kernel, and timed."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu/decode_attention.py", "--device", "cpu",
+                           "--batches", "1,2", "--contexts", "40", "--splits", "3", "--reps", "1",
+                           "--out", str(tmp_path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shapes = json.loads((tmp_path / "decode_attention.json").read_text())["shapes"]
+    assert set(shapes) == {"1x40", "2x40"}
+    assert all(set(row) == {"unified_us", "split3_us"} for row in shapes.values()), shapes
+    assert proc.stderr.strip().splitlines()[-1].startswith("split-KV against unified"), proc.stderr

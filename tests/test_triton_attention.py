@@ -132,7 +132,8 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
 
 
 def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
-                                device_name: str, deferred: bool = False) -> dict:
+                                device_name: str, deferred: bool = False,
+                                split_min_tokens: int | None = None) -> dict:
     """Greedy output with every decode step on worker/cuda_graphs.py's persistent buffers, its
     batch padded to a captured size: replayed graphs on CUDA (captured by the engine itself),
     the same buffers run eagerly on the CPU (a test's stand-in: no graph exists there). All
@@ -140,7 +141,8 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
     each step's input tokens taken on the device from the step before (worker/deferred_step.py;
     on CUDA the executor defers by itself). A budget of 128 tokens still prefills all prompts
     (at most 71 tokens here) in one step, as the default 2,048 did, and spares the CPU warming
-    the untied head's GEMMs (49,152 rows) up to 2,048 rows at start-up."""
+    the untied head's GEMMs (49,152 rows) up to 2,048 rows at start-up. `split_min_tokens`:
+    the backend's, so low that decodes take the split-KV path, in graphs of their own."""
     from treadle import LLM, SamplingParams
     from treadle.worker.cuda_graphs import DecodeGraphs
     from treadle.worker.deferred_step import DeferredStep
@@ -149,10 +151,12 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
              block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=128,
              async_scheduling=deferred, **shared_gpu(device_name)) as llm:
         runner = llm.engine.core.executor.worker.runner
+        if split_min_tokens is not None:   # graphs choose split or not at each replay
+            runner.attention.split_min_tokens = split_min_tokens
         if device_name == "cpu":
             runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
                                          runner.slots.block_table.shape[2], runner.device,
-                                         capture=False)
+                                         capture=False, backend=runner.attention)
             if deferred:
                 runner.allow_deferred_steps()
         assert runner.defer_steps == deferred
@@ -172,6 +176,7 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
         return {"together": [o.outputs[0].token_ids for o in together],
                 "alone": [o.outputs[0].token_ids for o in alone],
                 "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs),
+                "split_steps": graphs.num_split_steps, "captured_split": sorted(graphs.split_graphs),
                 "deferred_steps": sum(num_deferred)}
 
 
@@ -362,7 +367,7 @@ def interpreted_engines(tiny_checkpoints, tmp_path_factory) -> dict:
     qwen3 = tiny_checkpoints["qwen3"]
     calls["graph_eager"] = ("run_engine_on_graph_buffers", [qwen3, _engine_prompts(qwen3)[0], 8, "cpu"])
     calls["graph_deferred"] = ("run_engine_on_graph_buffers",
-                               [qwen3, _engine_prompts(qwen3)[0], 8, "cpu", True])
+                               [qwen3, _engine_prompts(qwen3)[0], 8, "cpu", True, 16])
     calls["arrivals"] = ("run_connector_arrivals",
                          [tiny_checkpoints["llama"], str(tmp_path_factory.mktemp("arrivals")),
                           *_arrival_prompts(), 10, "cpu"])
@@ -379,7 +384,8 @@ def test_the_engine_on_the_interpreter_matches_transformers(tiny_checkpoints, re
 
 def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, reference,
                                                               interpreted_engines):
-    """The persistent buffers and padding of CUDA graphs, run eagerly under the interpreter."""
+    """The persistent buffers and padding of CUDA graphs, run eagerly under the interpreter;
+    the deferred run's longer decodes take the split-KV path, as a split graph would."""
     path = tiny_checkpoints["qwen3"]
     prompts = _engine_prompts(path)[0]
     eager, deferred = interpreted_engines["graph_eager"], interpreted_engines["graph_deferred"]
@@ -389,6 +395,8 @@ def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, 
         assert result["graph_steps"] >= 3 * 7   # the decode steps of the runs alone, at least
     # Deferred: each decode's input token was put into the graph's buffer on the device.
     assert eager["deferred_steps"] == 0 and deferred["deferred_steps"] >= 3 * 7
+    # The split path where a step's longest sequence reaches 2 x 16 keys; not before.
+    assert eager["split_steps"] == 0 and 0 < deferred["split_steps"] < deferred["graph_steps"]
 
 
 def test_connector_arrivals_in_reused_slots_match_transformers(tiny_checkpoints, reference,
@@ -442,11 +450,14 @@ def test_decode_cuda_graphs_match_transformers(tiny_checkpoints, reference):
     path = tiny_checkpoints["qwen3"]
     prompts = _engine_prompts(path)[0]
     want = [reference(path).greedy(p, 24) for p in prompts]
-    for deferred in (False, True):
-        result = run_engine_on_graph_buffers(path, prompts, 24, "cuda", deferred)
+    for deferred in (False, True):   # deferred, in split-KV graphs (all sizes here are small)
+        result = run_engine_on_graph_buffers(path, prompts, 24, "cuda", deferred,
+                                             16 if deferred else None)
         assert result["together"] == want and result["alone"] == want
         assert result["captured"][:4] == [1, 2, 4, 8] and result["graph_steps"] >= 3 * 23
+        assert result["captured_split"] == result["captured"]
         assert (result["deferred_steps"] >= 3 * 23) == deferred
+        assert (0 < result["split_steps"] < result["graph_steps"]) == deferred
 
 
 @pytest.mark.gpu

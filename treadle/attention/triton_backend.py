@@ -102,7 +102,7 @@ class TritonBackend(AttentionBackend):
         seq_lens = context_lens + query_lens
         max_blocks = max(1, -(-int(seq_lens.max(initial=0)) // self.block_size))
         query_start = np.concatenate([[0], np.cumsum(query_lens)])
-        splits = self._kv_splits(seq_lens[:n])
+        splits = self.kv_splits(seq_lens[:n])
         rest = query_start[n:] - query_start[n] if splits > 1 else np.zeros(0, np.int64)
         slots = self.slots(query_lens, positions, block_table)
         # One copy to the device for every array, then views of it. Slots fit in int32: a
@@ -119,7 +119,7 @@ class TritonBackend(AttentionBackend):
         """`array` on the device, without blocking on CUDA."""
         return host_tensor(array, self.device).to(self.device, non_blocking=True)
 
-    def _kv_splits(self, decode_seq_lens: np.ndarray) -> int:
+    def kv_splits(self, decode_seq_lens: np.ndarray) -> int:
         """How many key ranges each decode is cut into: 1 for none, or for many decodes."""
         if not 0 < len(decode_seq_lens) <= self.split_max_decodes:
             return 1

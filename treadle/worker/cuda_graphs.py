@@ -9,8 +9,11 @@ Rows past n are padding that can do no harm: a one-token "decode" of token 0 at 
 whose slot is -1 (nothing written) and whose block table is the null block (finite zeros read).
 
 Only the `triton` attention backend can be captured: its metadata is device tensors and its
-grids are upper bounds from shapes, with no value read back (attention/triton_backend.py); the
-split-KV decode path is left to eager steps, since its split count depends on the step.
+grids are upper bounds from shapes, with no value read back (attention/triton_backend.py).
+Where the backend would cut a step's decodes into key ranges (the split-KV path, for a few long
+sequences), the step replays a second graph of its size, captured with the backend's largest
+split count: a range's bounds come from the sequence's length on the device, so one split count
+serves every length, and the host only picks which graph to replay.
 Sampling stays outside the graph. Anything that moves the captured tensors (the KV cache freed
 by sleep, weights moved to the host and back, parameters given new storage) drops the graphs:
 `valid_for` sees it, and the runner captures again.
@@ -27,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from treadle.attention.triton_backend import TritonMetadata
+from treadle.attention.triton_backend import TritonBackend, TritonMetadata
 from treadle.device_copy import host_tensor, to_device
 
 logger = logging.getLogger(__name__)
@@ -48,8 +51,12 @@ def tensor_addresses(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> t
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
-                 max_blocks: int, device: torch.device, capture: bool = True) -> None:
+                 max_blocks: int, device: torch.device, capture: bool = True,
+                 backend: TritonBackend | None = None) -> None:
+        """`backend`: the attention backend whose split-KV choice the graphs follow (none: they
+        never split)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.backend = backend
         self.sizes = capture_sizes(max_batch)
         self.max_batch = max_batch
         self.addresses = tensor_addresses(model, kv_caches)
@@ -62,6 +69,8 @@ class DecodeGraphs:
         self.query_start = torch.arange(max_batch + 1, **as_int)   # one token per request
         self.block_table = torch.zeros(max_batch, max_blocks, **as_int)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.split_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # split-KV
+        self.num_split_steps = 0   # of num_steps, those whose decodes took the split-KV path
         self.num_steps = 0   # decode steps served (replayed, or run eagerly on the buffers)
         if capture:
             self._capture_all()
@@ -88,13 +97,24 @@ class DecodeGraphs:
         self._fill(n, size, input_ids, positions, slot_mapping, seq_lens, block_table)
         if patch is not None:
             self.input_ids[to_device(patch[0], self.device)] = patch[1]
+        splits = (self._splits(size) if self.backend is not None
+                  and self.backend.kv_splits(seq_lens) > 1 else 1)
         self.num_steps += 1
-        if size in self.graphs:
-            graph, out = self.graphs[size]
+        self.num_split_steps += splits > 1
+        graphs = self.split_graphs if splits > 1 else self.graphs
+        if size in graphs:
+            graph, out = graphs[size]
             graph.replay()
         else:
-            out = self._forward(size)
+            out = self._forward(size, splits)
         return out[:n]
+
+    def _splits(self, size: int) -> int:
+        """The split count of a step of this padded size whose decodes split: the backend's
+        largest, up to the largest batch it splits (beyond it, no graph splits)."""
+        if self.backend is None or size > self.backend.split_max_decodes:
+            return 1
+        return self.backend.max_kv_splits
 
     # -- inside ------------------------------------------------------------------------------
     def _fill(self, n: int, size: int, input_ids: np.ndarray, positions: np.ndarray,
@@ -116,13 +136,13 @@ class DecodeGraphs:
             self.seq_lens[n:size] = 1
             self.block_table[n:size] = 0
 
-    def _metadata(self, size: int) -> TritonMetadata:
+    def _metadata(self, size: int, splits: int) -> TritonMetadata:
         return TritonMetadata(self.slot_mapping[:size], size, self.block_table[:size],
-                              self.seq_lens[:size], self.query_start[:size + 1], 1, None)
+                              self.seq_lens[:size], self.query_start[:size + 1], splits, None)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, splits: int = 1) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
-                          self._metadata(size))
+                          self._metadata(size, splits))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -131,15 +151,21 @@ class DecodeGraphs:
         for size in sorted(self.sizes, reverse=True):   # the largest first: the pool fits all
             self._fill(0, size, *(np.zeros(0, np.int64) for _ in range(4)),
                        np.zeros((0, 1), np.int64))
-            side = torch.cuda.Stream(self.device)   # warm-up off the capture stream, as torch asks
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._forward(size)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(size)
-            self.graphs[size] = (graph, out)
+            self.graphs[size] = self._capture(size, 1, pool)
+            if (splits := self._splits(size)) > 1:
+                self.split_graphs[size] = self._capture(size, splits, pool)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs", len(self.graphs),
-                    self.max_batch, time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch 1..%d; %d more split-KV) in %.1fs",
+                    len(self.graphs), self.max_batch, len(self.split_graphs),
+                    time.perf_counter() - start)
+
+    def _capture(self, size: int, splits: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream(self.device)   # warm-up off the capture stream, as torch asks
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(size, splits)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self._forward(size, splits)
+        return graph, out

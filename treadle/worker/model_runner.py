@@ -151,7 +151,8 @@ class ModelRunner(WeightControls):
         sched = self.config.scheduler
         max_batch = min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_GRAPH_BATCH)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch,
-                                   self.slots.block_table.shape[2], self.device)
+                                   self.slots.block_table.shape[2], self.device,
+                                   backend=self.attention)
 
     def _keep_graphs_valid(self) -> None:
         """Capture again where the graphs' tensors moved (weights or cache given new memory)."""

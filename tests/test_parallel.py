@@ -27,6 +27,7 @@ from tests.deferred import defer_and_count, worker_num_deferred
 from tests.test_correctness import TEXTS
 from treadle import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from treadle.engine.llm_engine import LLMEngine
+from treadle.executor.base import WorkerFailedError
 from treadle.models.loader import load_tokenizer
 
 # A budget of 16 tokens cuts every prompt into several chunks, mixed with running decodes;
@@ -123,16 +124,19 @@ def test_a_lone_worker_process_defers_its_steps_and_stays_exact(tiny_checkpoints
     # A step whose reply never comes would hang the engine: end the run with every thread's
     # stack instead of waiting for CI's limit.
     faulthandler.dump_traceback_later(300, exit=True)
-    with LLM(path, distributed_executor_backend="mp", async_scheduling=True, **TINY_ARGS) as llm:
-        executor = llm.engine.core.executor
-        assert not executor.defers_steps   # on a CPU, not unless told
-        assert llm.collective_rpc(defer_and_count) == [True]
-        executor.defers_steps = True
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
-        assert llm.get_stats().num_preemptions > 0
-        alone = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(), use_tqdm=False)
-        assert llm.collective_rpc(worker_num_deferred)[0] > 2 * MAX_TOKENS
-    faulthandler.cancel_dump_traceback_later()
+    try:
+        with LLM(path, distributed_executor_backend="mp", async_scheduling=True, **TINY_ARGS) as llm:
+            executor = llm.engine.core.executor
+            assert not executor.defers_steps   # on a CPU, not unless told
+            assert llm.collective_rpc(defer_and_count) == [True]
+            executor.defers_steps = True
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(),
+                                   use_tqdm=False)
+            assert llm.get_stats().num_preemptions > 0
+            alone = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(), use_tqdm=False)
+            assert llm.collective_rpc(worker_num_deferred)[0] > 2 * MAX_TOKENS
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     assert_exact(outputs + alone, prompts + prompts[:1], reference(path))
 
 
@@ -371,6 +375,41 @@ def test_a_restarted_worker_group_loses_no_request(tiny_checkpoints, reference):
         with pytest.raises(EngineDeadError, match="worker rank 0 died"):
             while engine.has_unfinished_requests():
                 step()
+    finally:
+        engine.core.shutdown()
+
+
+def kill_this_worker(worker) -> None:
+    """Given to collective_rpc: the worker dies in the call."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_lone_worker_that_dies_in_a_control_call_is_replaced_with_a_step_in_flight(
+        tiny_checkpoints, reference):
+    """A deferring lone worker killed by a control call while the batch queue still holds a
+    step: draining that step finds the group failed (it must not send FINISH_STEP to a closed
+    socket, an error that hid the death and skipped the restart), the worker is replaced, and
+    the request ends as transformers says."""
+    path = tiny_checkpoints["llama"]
+    prompt = token_ids(path)[0]
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        path, distributed_executor_backend="mp", async_scheduling=True, max_worker_restarts=1,
+        max_num_batched_tokens=16, block_size=16, num_kv_blocks=64))
+    try:
+        assert engine.core.collective_rpc(defer_and_count) == [True]
+        engine.core.executor.defers_steps = True
+        engine.add_request("a", {"prompt_token_ids": prompt}, greedy())
+        for _ in range(8):
+            engine.step()
+        assert len(engine.core.batch_queue) == 1
+        with pytest.raises(WorkerFailedError, match="worker rank 0 died"):
+            engine.core.collective_rpc(kill_this_worker)
+        engine.reset_prefix_cache()   # drains the step in flight: the group is replaced
+        assert engine.core.num_worker_restarts == 1
+        finals = []
+        while engine.has_unfinished_requests():
+            finals += [o for o in engine.step() if o.finished]
+        assert_exact(finals, [prompt], reference(path))
     finally:
         engine.core.shutdown()
 

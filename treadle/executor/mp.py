@@ -123,6 +123,7 @@ class MultiprocExecutor(Executor):
     def _finish_last_step(self) -> None:
         """Have the worker send the last step sent, if it holds it deferred: no later step will
         finish it."""
+        self._check_alive()   # a group that failed meanwhile has no socket to send on
         if self._finish_sent != self._last_step:
             self._finish_sent = self._last_step
             self._send(FINISH_STEP, (), {}, reply_from=set())

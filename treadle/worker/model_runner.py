@@ -68,8 +68,9 @@ class ModelRunner(WeightControls):
         if self.connector is not None:   # it moves this rank's layers and KV heads
             self.connector.bind_rank(ctx.rank, ctx.pp_rank, ctx.tp_rank)
         # Steps whose sampled tokens stay on the device until the next step is queued
-        # (worker/deferred_step.py): only the in-process executor, with async scheduling, turns
-        # this on (`allow_deferred_steps`); `_pending` is the last such step, unfinished.
+        # (worker/deferred_step.py): an executor with one worker on a GPU, with async
+        # scheduling, turns this on (`allow_deferred_steps`; executor/uniproc.py, and mp.py's
+        # lone worker); `_pending` is the last such step, unfinished.
         self.defer_steps = False
         self._pending: DeferredStep | None = None
 

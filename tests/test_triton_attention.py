@@ -151,8 +151,10 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
              block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=128,
              async_scheduling=deferred, **shared_gpu(device_name)) as llm:
         runner = llm.engine.core.executor.worker.runner
-        if split_min_tokens is not None:   # graphs choose split or not at each replay
+        if split_min_tokens is not None:
             runner.attention.split_min_tokens = split_min_tokens
+            if device_name != "cpu":   # captured graphs hold the setting they were made with
+                runner.capture_decode_graphs()
         if device_name == "cpu":
             runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
                                          runner.slots.block_table.shape[2], runner.device,

@@ -34,6 +34,7 @@ class TritonMetadata(AttentionMetadata):
     num_kv_splits: int           # > 1: the decodes take the split-KV path
     # With splits: query_start of the requests after the decodes, counted from their first row.
     rest_query_start: torch.Tensor | None
+    split_min_tokens: int = 1    # a decode takes one range per this many keys (triton_decode.py)
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,8 @@ class TritonMetadata(AttentionMetadata):
         n = self.num_decodes
         if self.num_kv_splits > 1:
             split_kv_decode(out[:n], q[:n], k_cache, v_cache, self.block_table[:n],
-                            self.seq_lens[:n], layer.scale, self.num_kv_splits)
+                            self.seq_lens[:n], layer.scale, self.num_kv_splits,
+                            self.split_min_tokens)
             if n < self.block_table.shape[0]:
                 unified_attention(out[n:], q[n:], k_cache, v_cache, self.block_table[n:],
                                   self.seq_lens[n:], self.rest_query_start, layer.scale)
@@ -113,7 +115,8 @@ class TritonBackend(AttentionBackend):
         slots_t, seq_lens_t, query_start_t, rest_t, table_t = packed.split(
             [len(slots), num_reqs, num_reqs + 1, len(rest), num_reqs * max_blocks])
         return TritonMetadata(slots_t, n, table_t.view(num_reqs, max_blocks), seq_lens_t,
-                              query_start_t, splits, rest_t if splits > 1 else None)
+                              query_start_t, splits, rest_t if splits > 1 else None,
+                              self.split_min_tokens)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """`array` on the device, without blocking on CUDA."""

@@ -1,12 +1,14 @@
 """Split-KV decode attention in Triton: for a few long sequences, where one program per (sequence,
 KV head) would leave most of the GPU idle.
 
-Each decode's keys are cut into `num_splits` ranges, one program per (sequence, KV head, range)
-with every query head of the group as its rows; each writes its range's normalised output and
-log-sum-exp (base 2), and a second kernel merges the ranges. The ranges come from each
-sequence's length on the device, so the grid (num_decodes, Hkv, num_splits) is fixed by the
-host's counts alone; a range past a short sequence's end writes an empty partial. (SGLang's
-Triton decode kernel has the same two stages.)
+Each decode's keys are cut into up to `num_splits` ranges, one program per (sequence, KV head,
+range) with every query head of the group as its rows; each writes its range's normalised
+output and log-sum-exp (base 2), and a second kernel merges the ranges. The ranges come from
+each sequence's length on the device: a sequence takes one range per `min_tokens` keys, at
+least one and at most num_splits, so a short sequence beside long ones is not cut into slivers
+and a CUDA graph captured at the largest count serves every length. The grid (num_decodes, Hkv,
+num_splits) is fixed by the host's counts alone; a range a sequence does not use writes an
+empty partial. (SGLang's Triton decode kernel has the same two stages.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from treadle.attention.triton_unified import (LOG2E, TILE_N, dot_in_fp32, load_k
 @triton.jit
 def _split_decode_kernel(
         part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
-        scale_log2, num_splits,
+        scale_log2, num_splits, min_tokens,
         stride_qt, stride_qh, stride_qd, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -32,8 +34,9 @@ def _split_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    ranges = tl.minimum(tl.maximum(seq_len // min_tokens, 1), num_splits)
     # Whole tiles per range, so that only a sequence's last range has a partial tile.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, ranges), TILE_N) * TILE_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -93,8 +96,9 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_splits,
 
 def split_kv_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, num_splits: int) -> None:
-    """Decode attention, one query token per sequence, its keys cut into `num_splits` ranges.
+                    scale: float, num_splits: int, min_tokens: int = 1) -> None:
+    """Decode attention, one query token per sequence, its keys cut into one range per
+    `min_tokens` keys, at least one and at most `num_splits`.
 
     out, q: [num_seqs, Hq, D] (any strides); the cache, block_table and seq_lens as
     for unified_attention.
@@ -108,7 +112,7 @@ def split_kv_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_out, part_lse, q, k_cache, v_cache, block_table, seq_lens,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, max(1, min_tokens),
         *q.stride(), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -12,8 +12,9 @@ Only the `triton` attention backend can be captured: its metadata is device tens
 grids are upper bounds from shapes, with no value read back (attention/triton_backend.py).
 Where the backend would cut a step's decodes into key ranges (the split-KV path, for a few long
 sequences), the step replays a second graph of its size, captured with the backend's largest
-split count: a range's bounds come from the sequence's length on the device, so one split count
-serves every length, and the host only picks which graph to replay.
+split count: each sequence takes its ranges from its own length on the device, as an eager
+step's would (attention/triton_decode.py), so one graph serves every length, and the host only
+picks which graph to replay. (A change to the backend's split settings takes a recapture.)
 Sampling stays outside the graph. Anything that moves the captured tensors (the KV cache freed
 by sleep, weights moved to the host and back, parameters given new storage) drops the graphs:
 `valid_for` sees it, and the runner captures again.
@@ -111,10 +112,12 @@ class DecodeGraphs:
 
     def _splits(self, size: int) -> int:
         """The split count of a step of this padded size whose decodes split: the backend's
-        largest, up to the largest batch it splits (beyond it, no graph splits)."""
-        if self.backend is None or size > self.backend.split_max_decodes:
+        largest, up to the padded size of the largest batch it splits (beyond it, no graph
+        splits, as no eager step does)."""
+        if self.backend is None or self.backend.split_max_decodes < 1:
             return 1
-        return self.backend.max_kv_splits
+        largest = self.padded_size(min(self.backend.split_max_decodes, self.max_batch))
+        return self.backend.max_kv_splits if size <= largest else 1
 
     # -- inside ------------------------------------------------------------------------------
     def _fill(self, n: int, size: int, input_ids: np.ndarray, positions: np.ndarray,
@@ -137,8 +140,10 @@ class DecodeGraphs:
             self.block_table[n:size] = 0
 
     def _metadata(self, size: int, splits: int) -> TritonMetadata:
+        min_tokens = self.backend.split_min_tokens if self.backend is not None else 1
         return TritonMetadata(self.slot_mapping[:size], size, self.block_table[:size],
-                              self.seq_lens[:size], self.query_start[:size + 1], splits, None)
+                              self.seq_lens[:size], self.query_start[:size + 1], splits, None,
+                              min_tokens)
 
     def _forward(self, size: int, splits: int = 1) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,

@@ -124,7 +124,10 @@ def argmax_from(p: SamplingParams) -> int:
     """The output count from which a request's rows are a plain argmax: greedy, with nothing
     that edits its logits (a bias, a penalty, allowed or bad tokens; min_tokens until reached)
     or reads its log-probabilities. NEVER where some parameter always does."""
-    plain = (p.temperature < 1e-5 and p.logprobs is None and p.repetition_penalty == 1.0
-             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias
-             and p.allowed_token_ids is None and not p.bad_words_token_ids)
+    plain = (p.temperature < 1e-5 and p.logprobs is None and not has_penalties(p)
+             and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words_token_ids)
     return p.min_tokens if plain else NEVER
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -28,7 +28,7 @@ from treadle.device_copy import to_device, to_host
 from treadle.kernels.cpu import cpu_kernels_available
 from treadle.sampling_params import SamplingParams
 from treadle.worker.grammar import GrammarMask, apply_token_bitmask
-from treadle.worker.request_state import PLACEHOLDER, argmax_from
+from treadle.worker.request_state import PLACEHOLDER, argmax_from, has_penalties
 from treadle.worker.sampling_random import exponential_noise, row_key
 
 if TYPE_CHECKING:
@@ -139,10 +139,6 @@ def _may_rule_out_all(row: SamplingRow) -> bool:
     p = row.params
     return (p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
             or len(row.output_ids) < p.min_tokens)
-
-
-def has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _argmax_only(row: SamplingRow) -> bool:

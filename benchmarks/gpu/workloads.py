@@ -124,10 +124,7 @@ def exactness(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
 
 def throughput_requests(ns: argparse.Namespace, folder: str):
     """The throughput model (built once per run, in `folder`), its prompts and output lengths."""
-    shape = TINY if ns.small else QWEN3_06B
-    path = os.path.join(folder, "qwen3")
-    if not os.path.isdir(path):
-        build_model("Qwen3", shape, path, torch.bfloat16)
+    shape, path = TINY if ns.small else QWEN3_06B, qwen3_model(ns, folder)
     n, lengths = (16, (10, 60)) if ns.small else (256, (100, 1024))
     prompts = random_prompts(n, lengths, shape["vocab_size"], seed=2)
     outputs = torch.randint(lengths[0], lengths[1] + 1, (n,),
@@ -167,15 +164,16 @@ def worker_process(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     other parts' async runs, whose worker is a thread of the engine's process."""
     engine = ns.engine | {"async_scheduling": True, "distributed_executor_backend": "mp"}
     result = run_throughput(ns, folder, {"mp_async": engine})
-    result |= {"batch1": batch1(ns, latency_model(ns, folder), engine)}
+    result |= {"batch1": batch1(ns, qwen3_model(ns, folder), engine)}
     return result
 
 
-def latency_model(ns: argparse.Namespace, folder: str) -> str:
-    shape = TINY if ns.small else QWEN3_06B
+def qwen3_model(ns: argparse.Namespace, folder: str) -> str:
+    """The folder of the Qwen3-0.6B-shaped bf16 model (TINY's shape with --small) that the
+    latency, throughput and profile parts share: built on first use, in `folder`."""
     path = os.path.join(folder, "qwen3")
     if not os.path.isdir(path):
-        build_model("Qwen3", shape, path, torch.bfloat16)
+        build_model("Qwen3", TINY if ns.small else QWEN3_06B, path, torch.bfloat16)
     return path
 
 
@@ -298,7 +296,7 @@ def safetensors_data_bytes(path: str) -> int:
 
 
 def latency(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
-    path = latency_model(ns, folder)
+    path = qwen3_model(ns, folder)
     # On the triton backend decode steps replay CUDA graphs; an eager run (--eager) shows what
     # they save: 16.5-16.8 ms against 2.25-2.30 on the H200 (docs/performance.md), and about
     # 20 s of the check's time, which the worker process's part now takes.
@@ -319,10 +317,7 @@ def profile(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    shape = TINY if ns.small else QWEN3_06B
-    path = os.path.join(folder, "qwen3")
-    if not os.path.isdir(path):
-        build_model("Qwen3", shape, path, torch.bfloat16)
+    shape, path = TINY if ns.small else QWEN3_06B, qwen3_model(ns, folder)
     prompts = random_prompts(16, (100, 100), shape["vocab_size"], seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ns.device.startswith("cuda") else [])

@@ -13,7 +13,7 @@ import torch
 from tests.reference import HFReference
 from treadle import LLM, SamplingParams
 from treadle.config import EngineArgs
-from treadle.worker.memory_profile import GiB, MemoryProfile, profile_batch, run_profile_step
+from treadle.worker.memory_profile import GiB, MiB, MemoryProfile, profile_batch, run_profile_step
 
 
 def test_the_kv_cache_is_what_the_share_leaves():
@@ -22,6 +22,19 @@ def test_the_kv_cache_is_what_the_share_leaves():
     assert profile.kv_cache_bytes(0.9) == int(80 * GiB * 0.9) - 3 * GiB
     assert profile.kv_cache_bytes(0.5) == 37 * GiB
     assert "KV cache 69.00 GiB" in profile.describe(0.9)
+
+
+def test_the_decode_graphs_pool_comes_out_of_the_share_too():
+    profile = MemoryProfile(total=80 * GiB, free_at_start=79 * GiB, held_after_load=2 * GiB,
+                            peak_activations=GiB, graph_pool=GiB // 2)
+    assert profile.kv_cache_bytes(0.9) == int(80 * GiB * 0.9) - 3 * GiB - GiB // 2
+    assert "CUDA graphs 0.50 GiB, KV cache 68.50 GiB" in profile.describe(0.9)
+    tight = MemoryProfile(total=16 * GiB, free_at_start=16 * GiB, held_after_load=2 * GiB,
+                          peak_activations=GiB, graph_pool=GiB)
+    assert tight.kv_cache_bytes(0.3125) == GiB   # 5 GiB: the graphs fit, with a GiB to spare
+    with pytest.raises(ValueError, match=r"needs 1\.00 GiB more, and the decode CUDA graphs "
+                                         r"1\.00 GiB \(enforce_eager=True does without them\)"):
+        tight.kv_cache_bytes(0.2)
 
 
 def test_memory_held_by_another_process_stops_start_up_with_the_numbers():
@@ -91,9 +104,27 @@ def test_on_a_gpu_the_kv_cache_takes_what_the_share_leaves(llama, caplog):
             out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                                SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
             assert len(out[0].outputs[0].token_ids) == 4
+            worker = llm.engine.core.executor.worker
+            profiled, captured = worker.memory_profile.graph_pool, worker.graph_pool
+            held = free - torch.cuda.mem_get_info()[0]
     assert any("GPU memory:" in r.message for r in caplog.records)
+    assert any("decode CUDA graphs hold" in r.message for r in caplog.records)
     # The tiny model's weights and steps take little: nearly all of the half goes to the cache.
     assert 0.4 * total < blocks * per_block <= 0.5 * total, (blocks * per_block / GiB, total / GiB)
+    # The graphs were counted, as the capture for good then took them (within the driver's
+    # 2 MiB pages), and the engine, graphs and cache together stayed within its share.
+    assert 0 < profiled and abs(captured - profiled) <= max(4 * MiB, profiled // 4), (
+        captured / MiB, profiled / MiB)
+    assert held <= 0.5 * total, (held / GiB, total / GiB)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_without_graphs_none_are_counted(llama):
+    with LLM(llama, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+             enforce_eager=True) as llm:
+        worker = llm.engine.core.executor.worker
+        assert worker.runner.graphs is None
+        assert worker.memory_profile.graph_pool == 0 and worker.graph_pool == 0
 
 
 @pytest.mark.gpu

@@ -3,9 +3,16 @@
 `gpu_memory_utilization` (default 0.9) is the share of the whole device this engine may use.
 The worker reads the free memory before it takes any, loads the model, then runs one step as
 large as the scheduler can ever give it (`max_num_batched_tokens` prompt tokens over up to
-`max_num_seqs` requests, each sampling) on a throwaway KV cache. The KV cache is what is left:
+`max_num_seqs` requests, each sampling) on a throwaway KV cache, and captures the decode CUDA
+graphs there too, where they will serve, to measure their memory pool. The KV cache is what is
+left:
 
     total * utilization - (what the worker holds after loading) - (the step's peak activations)
+                        - (the decode graphs' pool)
+
+The graphs are captured twice, then: on the throwaway cache to be measured, and for good once
+the real cache exists (their addresses are the cache's). Their pool depends on the batch sizes,
+not on the cache's size, so the first capture measures the second (the worker logs both).
 
 Memory other processes held at start-up is not ours to take: when less than
 `total * utilization` was free then, start-up stops with the numbers and what to change,
@@ -26,11 +33,13 @@ from treadle.core.scheduler_output import CachedRequestData, NewRequestData, Sch
 from treadle.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from treadle.config import TreadleConfig
     from treadle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 GiB = 2 ** 30
+MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -43,12 +52,15 @@ class MemoryProfile:
     held_after_load: what the worker holds once the model is loaded and the profile step has
         run, torch's cache emptied: the weights, workspaces, the runtime's own.
     peak_activations: how far the profile step's allocations rose above where they started.
+    graph_pool: what capturing the decode CUDA graphs took (their memory pool, and the driver's
+        own for the graphs); 0 where no graphs serve.
     """
 
     total: int
     free_at_start: int
     held_after_load: int
     peak_activations: int
+    graph_pool: int = 0
 
     def kv_cache_bytes(self, utilization: float) -> int:
         """What is left for the KV cache; ValueError, with the numbers, where nothing is."""
@@ -60,20 +72,24 @@ class MemoryProfile:
                 f"were free at start-up: other processes hold "
                 f"{(self.total - self.free_at_start) / GiB:.2f} GiB. Lower gpu_memory_utilization "
                 f"to at most {self.free_at_start / self.total:.2f}, or stop what holds the memory")
-        kv_bytes = requested - self.held_after_load - self.peak_activations
+        kv_bytes = requested - self.held_after_load - self.peak_activations - self.graph_pool
         if kv_bytes <= 0:
+            graphs = (f", and the decode CUDA graphs {self.graph_pool / GiB:.2f} GiB "
+                      "(enforce_eager=True does without them)" if self.graph_pool else "")
             raise ValueError(
                 f"gpu_memory_utilization {utilization} ({requested / GiB:.2f} GiB) leaves nothing "
                 f"for the KV cache: the loaded model holds {self.held_after_load / GiB:.2f} GiB "
-                f"and a step at its largest needs {self.peak_activations / GiB:.2f} GiB more; "
-                "raise gpu_memory_utilization, or lower max_num_batched_tokens or max_num_seqs")
+                f"and a step at its largest needs {self.peak_activations / GiB:.2f} GiB more"
+                f"{graphs}; raise gpu_memory_utilization, or lower max_num_batched_tokens or "
+                "max_num_seqs")
         return kv_bytes
 
     def describe(self, utilization: float) -> str:
         return (f"{self.total / GiB:.2f} GiB device x {utilization} = "
                 f"{self.total * utilization / GiB:.2f} GiB: model and runtime "
                 f"{self.held_after_load / GiB:.2f} GiB, peak activations "
-                f"{self.peak_activations / GiB:.2f} GiB, KV cache "
+                f"{self.peak_activations / GiB:.2f} GiB, CUDA graphs "
+                f"{self.graph_pool / GiB:.2f} GiB, KV cache "
                 f"{self.kv_cache_bytes(utilization) / GiB:.2f} GiB (others held "
                 f"{(self.total - self.free_at_start) / GiB:.2f} GiB at start-up)")
 
@@ -116,10 +132,7 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_group
 def run_profile_step(runner: ModelRunner) -> None:
     """The largest step the scheduler can give, through the runner's own step path, on a
     throwaway KV cache; the runner is left with no KV cache and no requests."""
-    config = runner.config
-    step, num_blocks = profile_batch(config.scheduler.max_num_batched_tokens,
-                                     config.scheduler.max_num_seqs, config.cache.block_size,
-                                     config.cache.kv_groups.num_groups)
+    step, num_blocks = _profile_step(runner.config)
     runner.init_kv_cache(num_blocks)
     runner.execute_profile_step(step)
     if runner.inbox is not None:   # a stage before the last: the tokens sent back to it
@@ -127,8 +140,43 @@ def run_profile_step(runner: ModelRunner) -> None:
     runner.free_kv_cache()
 
 
+def _profile_step(config: TreadleConfig) -> tuple[SchedulerOutput, int]:
+    return profile_batch(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                         config.cache.block_size, config.cache.kv_groups.num_groups)
+
+
+def measure_graph_capture(runner: ModelRunner) -> int:
+    """Capture the runner's decode graphs on its KV cache, and return how much device memory
+    they hold: the free memory before less the free memory after, torch's cache emptied on
+    both sides, so that what the capture's warm-up passes borrowed and gave back is not
+    counted (it is activations, which the profile step measured)."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    runner.capture_decode_graphs()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return max(0, free_before - torch.cuda.mem_get_info(device)[0])
+
+
+def profile_graph_pool(runner: ModelRunner) -> int:
+    """The decode graphs' memory, captured on a throwaway KV cache and let go (0 where no
+    graphs serve); the runner is left with no KV cache."""
+    if not runner.serves_decode_graphs:
+        return 0
+    runner.init_kv_cache(_profile_step(runner.config)[1])
+    try:
+        return measure_graph_capture(runner)
+    finally:
+        runner.free_kv_cache()
+        gc.collect()   # the graphs' pool goes when the last reference to it does
+        torch.cuda.empty_cache()
+
+
 def profile_memory(runner: ModelRunner, free_at_start: int) -> MemoryProfile:
-    """Run the profile step on the runner's GPU and measure what it and the model take."""
+    """Run the profile step on the runner's GPU, capture its decode graphs, and measure what
+    they and the model take."""
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -139,9 +187,10 @@ def profile_memory(runner: ModelRunner, free_at_start: int) -> MemoryProfile:
     # The throwaway cache counts in the peak; it is small (one step's blocks), and erring
     # that way leaves the KV cache smaller, never the device short.
     peak = torch.cuda.max_memory_allocated(device) - before
-    torch.cuda.empty_cache()
+    graph_pool = profile_graph_pool(runner)
     free_now, total = torch.cuda.mem_get_info(device)
     profile = MemoryProfile(total=total, free_at_start=free_at_start,
-                            held_after_load=free_at_start - free_now, peak_activations=peak)
+                            held_after_load=free_at_start - free_now, peak_activations=peak,
+                            graph_pool=graph_pool)
     logger.info("GPU memory: %s", profile.describe(runner.config.cache.gpu_memory_utilization))
     return profile

@@ -140,14 +140,19 @@ class ModelRunner(WeightControls):
         if self.ctx.is_last_stage:
             self.grammars = GrammarMatchers(self.config, self.slots)
 
+    @property
+    def serves_decode_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (worker/cuda_graphs.py): on a GPU, on the
+        triton backend, with one worker, for a model that reads nothing back in its forward
+        (not MoE), with one KV cache group, unless enforce_eager."""
+        return (self.on_device.captures_graphs and not self.config.enforce_eager
+                and self.attention.name == "triton" and self.model.capturable
+                and self.ctx.tp_size * self.ctx.pp_size == 1 and not self.kv_groups.is_hybrid)
+
     def capture_decode_graphs(self) -> None:
-        """CUDA graphs of decode steps (worker/cuda_graphs.py), where they can serve: on a GPU,
-        on the triton backend, with one worker, for a model that reads nothing back in its
-        forward (not MoE), with one KV cache group, unless enforce_eager."""
+        """Capture the decode graphs, where they serve (serves_decode_graphs)."""
         self.graphs = None
-        if (not self.on_device.captures_graphs or self.config.enforce_eager
-                or self.attention.name != "triton" or not self.model.capturable
-                or self.ctx.tp_size * self.ctx.pp_size > 1 or self.kv_groups.is_hybrid):
+        if not self.serves_decode_graphs:
             return
         sched = self.config.scheduler
         max_batch = min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_GRAPH_BATCH)

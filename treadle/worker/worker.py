@@ -12,7 +12,8 @@ from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import ParallelContext
 from treadle.structured_output.params import StructuredOutputsParams
 from treadle.worker.deferred_step import DeferredStep
-from treadle.worker.memory_profile import free_device_memory, profile_memory
+from treadle.worker.memory_profile import (MiB, MemoryProfile, free_device_memory,
+                                           measure_graph_capture, profile_memory)
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.weight_transfer import WeightReceiver
 
@@ -29,6 +30,8 @@ class Worker:
                               if kv_cache_sized_by_profile(config) else None)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.ctx)
+        self.memory_profile: MemoryProfile | None = None   # where the KV cache was profiled
+        self.graph_pool = 0   # what the decode graphs captured at start-up hold, so measured
         self.weight_receiver = WeightReceiver(config.weight_transfer, self.runner, self.ctx)
 
     def load_model(self) -> None:
@@ -37,13 +40,20 @@ class Worker:
     def determine_num_blocks(self) -> int:
         profiled = None
         if self.free_at_start is not None:
-            profile = profile_memory(self.runner, self.free_at_start)
-            profiled = profile.kv_cache_bytes(self.config.cache.gpu_memory_utilization)
+            self.memory_profile = profile_memory(self.runner, self.free_at_start)
+            profiled = self.memory_profile.kv_cache_bytes(self.config.cache.gpu_memory_utilization)
         return num_blocks_from_budget(self.config, self.runner.kv_block_bytes(), profiled)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
-        self.runner.capture_decode_graphs()
+        if self.memory_profile is None or not self.runner.serves_decode_graphs:
+            self.runner.capture_decode_graphs()
+            return
+        # The KV cache was sized with the graphs' pool as the profile measured it: say what the
+        # capture for good takes, so that a difference shows in the log.
+        self.graph_pool = measure_graph_capture(self.runner)
+        logger.info("decode CUDA graphs hold %.1f MiB (the profile counted %.1f MiB)",
+                    self.graph_pool / MiB, self.memory_profile.graph_pool / MiB)
 
     def release_kv_cache(self) -> None:
         """At shutdown: the KV cache's memory goes back to the device."""

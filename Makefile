@@ -52,8 +52,14 @@ redis:
 		|| { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }; \
 	fi
 
+# Two pytest workers (pytest-xdist), a test file each at a time, one torch thread each: torch's
+# OpenMP threads spin-wait, so two workers of two threads would fight over a 2-core machine.
+# Much of the suite waits on processes it starts (servers, workers, Chromium), which the second
+# worker fills: 19 minutes against 27-29 in one process (Zen 4, 2 cores). TEST_WORKERS=0 runs
+# it in one process.
+TEST_WORKERS ?= 2
 test: install browser terminal redis
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 bench: install
 	$(BIN)/treadle bench throughput --compare-hf

@@ -106,16 +106,18 @@ def test_on_a_gpu_the_kv_cache_takes_what_the_share_leaves(llama, caplog):
             assert len(out[0].outputs[0].token_ids) == 4
             worker = llm.engine.core.executor.worker
             profiled, captured = worker.memory_profile.graph_pool, worker.graph_pool
+            torch.cuda.empty_cache()   # what torch keeps for reuse is in the profile's peak
             held = free - torch.cuda.mem_get_info()[0]
     assert any("GPU memory:" in r.message for r in caplog.records)
     assert any("decode CUDA graphs hold" in r.message for r in caplog.records)
     # The tiny model's weights and steps take little: nearly all of the half goes to the cache.
     assert 0.4 * total < blocks * per_block <= 0.5 * total, (blocks * per_block / GiB, total / GiB)
-    # The graphs were counted, as the capture for good then took them (within the driver's
-    # 2 MiB pages), and the engine, graphs and cache together stayed within its share.
+    # The graphs were counted, as the capture for good then took them (within a few of the
+    # allocator's 2 MiB segments), and the engine, graphs and cache together stayed within
+    # its share (but for kernels first loaded by the generate, after the profile).
     assert 0 < profiled and abs(captured - profiled) <= max(4 * MiB, profiled // 4), (
         captured / MiB, profiled / MiB)
-    assert held <= 0.5 * total, (held / GiB, total / GiB)
+    assert held <= 0.5 * total + 64 * MiB, (held / GiB, total / GiB)
 
 
 @pytest.mark.gpu

@@ -153,19 +153,23 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        # One stream for every warm-up: each new stream would get a cuBLAS workspace of its
+        # own, kept for good (32 MiB on an H100).
+        side = torch.cuda.Stream(self.device)
         for size in sorted(self.sizes, reverse=True):   # the largest first: the pool fits all
             self._fill(0, size, *(np.zeros(0, np.int64) for _ in range(4)),
                        np.zeros((0, 1), np.int64))
-            self.graphs[size] = self._capture(size, 1, pool)
+            self.graphs[size] = self._capture(size, 1, pool, side)
             if (splits := self._splits(size)) > 1:
-                self.split_graphs[size] = self._capture(size, splits, pool)
+                self.split_graphs[size] = self._capture(size, splits, pool, side)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch 1..%d; %d more split-KV) in %.1fs",
                     len(self.graphs), self.max_batch, len(self.split_graphs),
                     time.perf_counter() - start)
 
-    def _capture(self, size: int, splits: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        side = torch.cuda.Stream(self.device)   # warm-up off the capture stream, as torch asks
+    def _capture(self, size: int, splits: int, pool, side: torch.cuda.Stream
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # The warm-up runs on `side`, off the capture stream, as torch asks.
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._forward(size, splits)

@@ -12,7 +12,8 @@ left:
 
 The graphs are captured twice, then: on the throwaway cache to be measured, and for good once
 the real cache exists (their addresses are the cache's). Their pool depends on the batch sizes,
-not on the cache's size, so the first capture measures the second (the worker logs both).
+not on the cache's size, so the first capture measures the second (the worker logs both). What
+a first capture pays once and keeps (cuBLAS workspaces, kernels loaded) counts as held.
 
 Memory other processes held at start-up is not ours to take: when less than
 `total * utilization` was free then, start-up stops with the numbers and what to change,
@@ -33,7 +34,6 @@ from treadle.core.scheduler_output import CachedRequestData, NewRequestData, Sch
 from treadle.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from treadle.config import TreadleConfig
     from treadle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,12 @@ class MemoryProfile:
     total: the device's memory.
     free_at_start: free when the worker started; the rest was other processes' (and the CUDA
         context's).
-    held_after_load: what the worker holds once the model is loaded and the profile step has
-        run, torch's cache emptied: the weights, workspaces, the runtime's own.
+    held_after_load: what the worker holds once the model is loaded, the profile step has
+        run and the profile's graphs are let go, torch's cache emptied: the weights,
+        workspaces, kernels loaded, the runtime's own.
     peak_activations: how far the profile step's allocations rose above where they started.
-    graph_pool: what capturing the decode CUDA graphs took (their memory pool, and the driver's
-        own for the graphs); 0 where no graphs serve.
+    graph_pool: what the decode CUDA graphs hold (their memory pool, and the driver's own for
+        the graphs): what letting them go gave back; 0 where no graphs serve.
     """
 
     total: int
@@ -129,49 +130,57 @@ def profile_batch(num_tokens: int, max_num_seqs: int, block_size: int, num_group
     return step, next_block
 
 
-def run_profile_step(runner: ModelRunner) -> None:
+def run_profile_step(runner: ModelRunner) -> int:
     """The largest step the scheduler can give, through the runner's own step path, on a
-    throwaway KV cache; the runner is left with no KV cache and no requests."""
-    step, num_blocks = _profile_step(runner.config)
+    throwaway KV cache; the runner is left with no KV cache and no requests. Returns the
+    throwaway cache's size in blocks."""
+    config = runner.config
+    step, num_blocks = profile_batch(config.scheduler.max_num_batched_tokens,
+                                     config.scheduler.max_num_seqs, config.cache.block_size,
+                                     config.cache.kv_groups.num_groups)
     runner.init_kv_cache(num_blocks)
     runner.execute_profile_step(step)
     if runner.inbox is not None:   # a stage before the last: the tokens sent back to it
         runner.inbox.drain(runner.slots)
     runner.free_kv_cache()
+    return num_blocks
 
 
-def _profile_step(config: TreadleConfig) -> tuple[SchedulerOutput, int]:
-    return profile_batch(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                         config.cache.block_size, config.cache.kv_groups.num_groups)
+def _free_memory(device: torch.device) -> int:
+    """The device's free memory once its queued work is done and torch's cache is emptied:
+    what torch holds for blocks in use only, none for blocks it keeps for reuse."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def measure_graph_capture(runner: ModelRunner) -> int:
-    """Capture the runner's decode graphs on its KV cache, and return how much device memory
-    they hold: the free memory before less the free memory after, torch's cache emptied on
-    both sides, so that what the capture's warm-up passes borrowed and gave back is not
-    counted (it is activations, which the profile step measured)."""
-    device = runner.device
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    free_before = torch.cuda.mem_get_info(device)[0]
+    """Capture the runner's decode graphs for good, on its KV cache, and return how much device
+    memory that took (the free memory before less after, torch's cache emptied on both sides,
+    so that what the warm-up passes borrowed and gave back is not counted). After the
+    profile's capture this is the graphs' own memory: what a first capture pays once (cuBLAS
+    workspaces, kernels loaded) is paid already."""
+    free_before = _free_memory(runner.device)
     runner.capture_decode_graphs()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    return max(0, free_before - _free_memory(runner.device))
 
 
-def profile_graph_pool(runner: ModelRunner) -> int:
-    """The decode graphs' memory, captured on a throwaway KV cache and let go (0 where no
-    graphs serve); the runner is left with no KV cache."""
+def profile_graph_pool(runner: ModelRunner, num_blocks: int) -> int:
+    """The decode graphs' memory (0 where no graphs serve): captured on a throwaway KV cache of
+    `num_blocks`, it is what letting them go gives back. What the capture paid once and keeps
+    (cuBLAS workspaces, kernels loaded) is not the graphs': it stays, and the caller counts it
+    as held. The runner is left with no KV cache."""
     if not runner.serves_decode_graphs:
         return 0
-    runner.init_kv_cache(_profile_step(runner.config)[1])
+    runner.init_kv_cache(num_blocks)
     try:
-        return measure_graph_capture(runner)
+        runner.capture_decode_graphs()
+        with_graphs = _free_memory(runner.device)
+        runner.graphs = None   # the graphs go, and their pool with the last reference to it
+        gc.collect()
+        return max(0, _free_memory(runner.device) - with_graphs)
     finally:
         runner.free_kv_cache()
-        gc.collect()   # the graphs' pool goes when the last reference to it does
-        torch.cuda.empty_cache()
 
 
 def profile_memory(runner: ModelRunner, free_at_start: int) -> MemoryProfile:
@@ -182,13 +191,13 @@ def profile_memory(runner: ModelRunner, free_at_start: int) -> MemoryProfile:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    run_profile_step(runner)
+    num_blocks = run_profile_step(runner)
     torch.cuda.synchronize(device)
     # The throwaway cache counts in the peak; it is small (one step's blocks), and erring
     # that way leaves the KV cache smaller, never the device short.
     peak = torch.cuda.max_memory_allocated(device) - before
-    graph_pool = profile_graph_pool(runner)
-    free_now, total = torch.cuda.mem_get_info(device)
+    graph_pool = profile_graph_pool(runner, num_blocks)
+    free_now, total = _free_memory(device), torch.cuda.mem_get_info(device)[1]
     profile = MemoryProfile(total=total, free_at_start=free_at_start,
                             held_after_load=free_at_start - free_now, peak_activations=peak,
                             graph_pool=graph_pool)

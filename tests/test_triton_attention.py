@@ -11,6 +11,7 @@ the kernels may have been defined for a GPU.
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -112,15 +113,18 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
                device_name: str) -> dict:
     """Greedy output of the whole engine on the triton backend in fp32, with prefill chunks of
     16 tokens and n-gram drafts (matching a single token, so that the tiny models' outputs get
-    some); `follow_up` runs after `prompts`, for a prefix hit."""
+    some); `follow_up` runs after `prompts`, for a prefix hit. Counts the attention backend's
+    own K/V writes, which the models' RoPE kernels spare where they write K/V themselves."""
     from treadle import LLM, SamplingParams
+    from treadle.attention import triton_kv_write
 
     # Closed at the end: on a GPU the next engine in this process sizes its cache against what
     # this one leaves free.
-    with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
-             block_size=BLOCK_SIZE, max_num_batched_tokens=16, **shared_gpu(device_name),
-             speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
+    with mock.patch.object(triton_kv_write, "write_kv", wraps=triton_kv_write.write_kv) as backend_write, \
+            LLM(path, device=device_name, attention_backend="triton", dtype="float32",
+                block_size=BLOCK_SIZE, max_num_batched_tokens=16, **shared_gpu(device_name),
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
         assert llm.engine.core.executor.worker.runner.attention.name == "triton"
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -128,7 +132,8 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
         llm.engine.core.scheduler.kv_cache.assert_no_leaks()
         return {"tokens": [o.outputs[0].token_ids for o in outs] + [hit.outputs[0].token_ids],
                 "cached": hit.num_cached_tokens,
-                "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens}
+                "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens,
+                "backend_kv_writes": backend_write.call_count}
 
 
 def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
@@ -347,6 +352,7 @@ def _check_engine(result: dict, path: str, prompts, follow_up, max_tokens: int, 
     assert result["tokens"] == [ref.greedy(p, max_tokens) for p in prompts + [follow_up]]
     assert result["cached"] == 2 * BLOCK_SIZE
     assert result["drafts"] > 0
+    assert result["backend_kv_writes"] == 0   # RoPE's launch wrote every layer's K/V
 
 
 def _arrival_prompts() -> tuple[list[list[int]], list[list[int]]]:

@@ -60,12 +60,19 @@ CASES = {
     # Qwen3's q/k head norms and RoPE in one launch: (tokens, q heads, kv heads, head dim)
     "qk_norm_rope_qwen3": ("qk_norm_rope", (5, 16, 8, 128)),
     "qk_norm_rope_gqa3_d64": ("qk_norm_rope", (3, 6, 2, 64)),
+    # The same launches writing K/V into a paged cache as they make K: (tokens, q heads, kv
+    # heads, head dim); a padding token (slot -1) among them.
+    "rope_writes_kv_d64": ("rope_kv", (6, 6, 2, 64)),
+    "rope_writes_kv_mha_d80": ("rope_kv", (4, 5, 5, 80)),
+    "qk_norm_rope_writes_kv_qwen3": ("qk_norm_rope_kv", (5, 16, 8, 128)),
 }
-EXACT = {"add_norm": "residual", "rope": "out"}   # what must be equal bit for bit
+# What must be equal bit for bit; of the fused K/V writes, the cache and q and k both.
+EXACT = {"add_norm": ("residual",), "rope": ("out",), "rope_kv": ("out", "cache"),
+         "qk_norm_rope_kv": ("out", "cache")}
 # Under the interpreter also the fused norms and RoPE to the two norm launches and the RoPE
 # launch they replace ("unfused"): the same sums of squares. A GPU may sum a row in another
 # order in another tile shape.
-EXACT_INTERPRETED = {**EXACT, "qk_norm_rope": "unfused"}
+EXACT_INTERPRETED = {**EXACT, "qk_norm_rope": ("unfused",)}
 
 
 def _random(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -150,6 +157,45 @@ def _qk_norm_rope_case(shape: tuple, dtype: torch.dtype, device: torch.device, g
     return {"out": (got, want), "unfused": (got, torch.cat([unfused_q, unfused_k], dim=1))}
 
 
+def _writes_kv_case(op: str, shape: tuple, dtype: torch.dtype, device: torch.device, gen) -> dict:
+    """rope_ or qk_norm_rope writing K/V into a paged cache in their launch, against the same
+    op without, then the attention backend's write_kv: the q and k out equal, the caches
+    equal (every slot, the ones a padding token would have hit included)."""
+    from treadle.attention.backend import KVTarget
+    from treadle.attention.triton_kv_write import write_kv
+    from treadle.models import triton_ops
+
+    tokens, hq, hkv, head_dim = shape
+    block_size, num_blocks = 4, 5
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=1e6), head_dim, 4096).to(device)
+    cos, sin = rotary(torch.randint(0, 4096, (tokens,), generator=gen).to(device), dtype)
+    qkv = _random(gen, tokens, (hq + 2 * hkv) * head_dim, scale=3.0).to(device=device, dtype=dtype)
+    weights = [(_random(gen, head_dim, scale=0.5) + 1).to(device=device, dtype=dtype)
+               for _ in range(2)]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[tokens // 2] = -1   # a padding token: nothing written
+    slots = slots.to(device)
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x = qkv.clone()
+        q = x[:, :hq * head_dim].view(tokens, hq, head_dim)
+        k = x[:, hq * head_dim:(hq + hkv) * head_dim].view(tokens, hkv, head_dim)
+        v = x[:, (hq + hkv) * head_dim:].view(tokens, hkv, head_dim)
+        cache = torch.full((2, num_blocks, block_size, hkv, head_dim), -7.0, dtype=dtype,
+                           device=device)
+        target = (v, KVTarget(cache[0], cache[1], slots)) if fused else None
+        if op == "rope_kv":
+            triton_ops.rope_(q, k, cos, sin, target)
+        else:
+            q, k = triton_ops.qk_norm_rope(q, k, *weights, EPS, cos, sin, target)
+        if not fused:
+            write_kv(k, v, cache[0], cache[1], slots)
+        return torch.cat([q, k], dim=1), cache
+
+    (out, cache), (want_out, want_cache) = run(fused=True), run(fused=False)
+    return {"out": (out, want_out), "cache": (cache, want_cache)}
+
+
 def compare_ops(dtype_name: str, device_name: str) -> dict[str, dict[str, dict]]:
     """Every case's Triton op beside the torch path on the same inputs: per output, whether
     they are equal and their largest |difference| / (|torch's| + 1)."""
@@ -161,6 +207,8 @@ def compare_ops(dtype_name: str, device_name: str) -> dict[str, dict[str, dict]]
             pairs = _rope_case(shape, dtype, device, gen)
         elif op == "qk_norm_rope":
             pairs = _qk_norm_rope_case(shape, dtype, device, gen)
+        elif op in ("rope_kv", "qk_norm_rope_kv"):
+            pairs = _writes_kv_case(op, shape, dtype, device, gen)
         elif op in ("silu", "gelu_tanh"):
             pairs = _act_case(op, shape, dtype, device, gen)
         else:
@@ -182,6 +230,7 @@ def compile_for_sm90(dtype: str) -> dict[str, bool]:
     from treadle.models import triton_ops as t
 
     common = {"IN_BITS": False}
+    no_kv, kv = {"WRITE_KV": False, "BLOCK_SIZE": 1}, {"WRITE_KV": True, "BLOCK_SIZE": 16}
     kernels = [   # tiles as the launchers make them (_tile)
         (t._rms_norm_kernel, {**common, "D": 1024, "BLOCK": 1024, "ROWS": 2,
                               "UNIT_OFFSET": False}),
@@ -190,12 +239,16 @@ def compile_for_sm90(dtype: str) -> dict[str, bool]:
         (t._act_and_mul_kernel, {**common, "I": 3072, "BLOCK": 1024, "ROWS": 2,
                                  "GELU_TANH": False}),
         (t._act_and_mul_kernel, {**common, "I": 37, "BLOCK": 64, "ROWS": 32, "GELU_TANH": True}),
-        (t._rope_kernel, {**common, "HALF": 64, "HALF_PAD": 64, "Q_HEADS_PAD": 16,
+        (t._rope_kernel, {**common, **no_kv, "HALF": 64, "HALF_PAD": 64, "Q_HEADS_PAD": 16,
                           "K_HEADS_PAD": 8, "TOKENS": 2}),
-        (t._rope_kernel, {**common, "HALF": 18, "HALF_PAD": 32, "Q_HEADS_PAD": 8,
+        (t._rope_kernel, {**common, **no_kv, "HALF": 18, "HALF_PAD": 32, "Q_HEADS_PAD": 8,
                           "K_HEADS_PAD": 2, "TOKENS": 8}),
-        (t._qk_norm_rope_kernel, {**common, "HALF": 64, "Q_HEADS_PAD": 16, "K_HEADS_PAD": 8,
-                                  "TOKENS": 1}),
+        (t._rope_kernel, {**common, **kv, "HALF": 32, "HALF_PAD": 32, "Q_HEADS_PAD": 16,
+                          "K_HEADS_PAD": 8, "TOKENS": 4}),
+        (t._qk_norm_rope_kernel, {**common, **no_kv, "HALF": 64, "Q_HEADS_PAD": 16,
+                                  "K_HEADS_PAD": 8, "TOKENS": 1}),
+        (t._qk_norm_rope_kernel, {**common, **kv, "HALF": 64, "Q_HEADS_PAD": 16,
+                                  "K_HEADS_PAD": 8, "TOKENS": 1}),
     ]
     fma_free = {}
     for i, (kernel, constants) in enumerate(kernels):
@@ -203,6 +256,8 @@ def compile_for_sm90(dtype: str) -> dict[str, bool]:
         for name in kernel.arg_names:
             if name in constants:
                 signature[name] = "constexpr"
+            elif name == "slot_ptr":
+                signature[name] = "*i64"
             elif name.endswith("_ptr"):
                 signature[name] = f"*{dtype}"
             else:
@@ -222,7 +277,7 @@ def _check(result: dict[str, dict], case: str, tol: float, interpreted: bool = T
     if op == "gelu_tanh" and tol < GELU_FP32_TOL:
         tol = GELU_FP32_TOL
     for key, r in result.items():
-        if (EXACT_INTERPRETED if interpreted else EXACT).get(op) == key:
+        if key in (EXACT_INTERPRETED if interpreted else EXACT).get(op, ()):
             assert r["equal"], (case, key, r)
         assert r["max_err"] < tol, (case, key, r)
 
@@ -292,7 +347,7 @@ def test_the_gpu_benchmark_dry_runs_on_the_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     ops = json.loads((tmp_path / "fused_ops.json").read_text())["ops"]
     assert set(ops) == {"rms_norm", "add_rms_norm", "qk_head_norm", "silu_and_mul", "rope",
-                        "qk_norm_rope"}
+                        "qk_norm_rope", "write_kv", "qk_norm_rope_kv"}
     for row in (result["1"] for result in ops.values()):
         assert row["max_err_triton"] < BF16_TOL and row["compile_us"] == "skipped: out of time", row
         assert row["eager_us"] > 0 and row["triton_us"] > 0, row
@@ -305,7 +360,7 @@ def test_the_ops_compile_for_an_h100_without_fmas():
     code in fp32 and bf16, and no FMA in it, as the exact cases on a GPU need."""
     for fma_free in _in_fresh_python([("compile_for_sm90", ["fp32"]),
                                       ("compile_for_sm90", ["bf16"])], interpret=False):
-        assert len(fma_free) == 8 and all(fma_free.values()), fma_free
+        assert len(fma_free) == 10 and all(fma_free.values()), fma_free
 
 
 # -- on a GPU --------------------------------------------------------------------------------

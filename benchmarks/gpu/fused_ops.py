@@ -45,6 +45,8 @@ MAX_ERR = 2e-2
 def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, Callable]]:
     """name -> (inputs(tokens), eager, triton): eager is the model's own torch path, triton the
     op meant to replace it; both take inputs(tokens)'s tuple."""
+    from treadle.attention.backend import KVTarget
+    from treadle.attention.triton_kv_write import write_kv
     from treadle.models import triton_ops
     from treadle.models.llama import RMSNorm
     from treadle.models.rope import RotaryEmbedding, apply_rope
@@ -77,6 +79,29 @@ def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callab
         triton_ops.rope_(q, k, cos, sin)
         return q, k
 
+    def kv_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+        """qkv_views's, with v, a layer's paged cache (blocks of 16) and a slot per token."""
+        q, k, cos, sin = qkv_views(tokens)
+        v = randn(tokens, KV_HEADS, HEAD_DIM)
+        cache = torch.zeros(2, -(-tokens // 16) + 1, 16, KV_HEADS, HEAD_DIM, dtype=dtype,
+                            device=device)
+        slots = torch.randperm(cache.shape[1] * 16, generator=gen)[:tokens].to(device)
+        return q, k, cos, sin, v, cache, slots
+
+    def eager_write_kv(k, v, cache, slots):   # as the torch backend writes them
+        cache[0].view(-1, KV_HEADS, HEAD_DIM)[slots] = k
+        cache[1].view(-1, KV_HEADS, HEAD_DIM)[slots] = v
+        return cache
+
+    def eager_qk_norm_rope_kv(q, k, cos, sin, v, cache, slots):
+        q, k = eager_rope(head_norm(q), head_norm(k), cos, sin)
+        return q, k, eager_write_kv(k, v, cache, slots)
+
+    def triton_qk_norm_rope_kv(q, k, cos, sin, v, cache, slots):
+        q, k = triton_ops.qk_norm_rope(q, k, head_norm.weight, head_norm.weight, EPS, cos, sin,
+                                       (v, KVTarget(cache[0], cache[1], slots)))
+        return q, k, cache
+
     return {
         "rms_norm": (lambda t: (randn(t, HIDDEN),), norm,
                      lambda x: triton_ops.rms_norm(x, norm.weight, EPS)),
@@ -92,6 +117,13 @@ def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callab
                          lambda q, k, cos, sin: eager_rope(head_norm(q), head_norm(k), cos, sin),
                          lambda q, k, cos, sin: triton_ops.qk_norm_rope(
                              q, k, head_norm.weight, head_norm.weight, EPS, cos, sin)),
+        # The attention backend's K/V write (attention/triton_kv_write.py), and the same
+        # written by qk_norm_rope's launch: what the fused write saves is this op's time
+        # and qk_norm_rope's, less qk_norm_rope_kv's.
+        "write_kv": (lambda t: kv_inputs(t)[4:] + (randn(t, KV_HEADS, HEAD_DIM),),
+                     lambda v, cache, slots, k: eager_write_kv(k, v, cache, slots),
+                     lambda v, cache, slots, k: (write_kv(k, v, cache[0], cache[1], slots), cache)[1]),
+        "qk_norm_rope_kv": (kv_inputs, eager_qk_norm_rope_kv, triton_qk_norm_rope_kv),
     }
 
 

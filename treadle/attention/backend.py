@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +34,16 @@ BACKENDS: dict[str, str] = {
     "torch": "treadle.attention.torch_backend:TorchBackend",
     "triton": "treadle.attention.triton_backend:TritonBackend",
 }
+
+
+class KVTarget(NamedTuple):
+    """Where one layer's new K/V go in this step: its cache's K and V halves ([num_blocks,
+    block_size, num_kv_heads, head_dim], features contiguous) and each new token's flat slot
+    (negative: a padding token, nothing written)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,17 @@ class PagedAttention:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D], after writing k and v to the cache."""
         return meta.attend(self, q, k, v, kv_cache)
 
+    def kv_target(self, kv_cache: torch.Tensor, meta: "AttentionMetadata") -> KVTarget | None:
+        """Where a fused op of the model may write this step's K/V itself, in the kernel that
+        makes them (RoPE), saving the backend's launch; None where the backend writes them."""
+        return meta.kv_target(self, kv_cache)
+
+    def attend_written(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: "AttentionMetadata") -> torch.Tensor:
+        """As calling this, where the step's K/V are in the cache already, written to the
+        kv_target the metadata gave."""
+        return meta.attend_written(self, q, kv_cache)
+
 
 @dataclass
 class AttentionMetadata(ABC):
@@ -75,6 +97,16 @@ class AttentionMetadata(ABC):
                kv_cache: torch.Tensor) -> torch.Tensor:
         """Write k and v to `kv_cache`, then attend: [T, Hq, D] -> [T, Hq * D]."""
 
+    def kv_target(self, layer: PagedAttention, kv_cache: torch.Tensor) -> KVTarget | None:
+        """Where the model may write the layer's new K/V itself (PagedAttention.kv_target);
+        None, unless a backend takes them so."""
+        return None
+
+    def attend_written(self, layer: PagedAttention, q: torch.Tensor,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
+        """`attend`, the step's K/V written already to `kv_target`'s answer."""
+        raise NotImplementedError(f"{type(self).__name__} writes its own K/V: it gives no kv_target")
+
 
 @dataclass
 class GroupedMetadata(AttentionMetadata):
@@ -87,6 +119,13 @@ class GroupedMetadata(AttentionMetadata):
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor) -> torch.Tensor:
         return self.groups[layer.kv_group].attend(layer, q, k, v, kv_cache)
+
+    def kv_target(self, layer: PagedAttention, kv_cache: torch.Tensor) -> KVTarget | None:
+        return self.groups[layer.kv_group].kv_target(layer, kv_cache)
+
+    def attend_written(self, layer: PagedAttention, q: torch.Tensor,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
+        return self.groups[layer.kv_group].attend_written(layer, q, kv_cache)
 
 
 class AttentionBackend(ABC):

@@ -1,6 +1,7 @@
 """Paged attention in Triton: the `triton` attention backend, for CUDA devices.
 
-  - New K/V go into the cache through `slot_mapping` (triton_kv_write.py).
+  - New K/V go into the cache through `slot_mapping` (triton_kv_write.py), or the model's
+    RoPE kernel writes them there as it makes them (`kv_target`; models/triton_ops.py).
   - One launch of the unified kernel (triton_unified.py) serves the whole step: decodes,
     prefill chunks over a cached prefix, and 1 + k draft verification.
   - A few long decodes take the split-KV path instead (triton_decode.py), and the unified
@@ -22,8 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treadle.attention.backend import AttentionBackend, AttentionMetadata, PagedAttention, count_decodes
+from treadle.attention.backend import (AttentionBackend, AttentionMetadata, KVTarget, PagedAttention,
+                                      count_decodes)
 from treadle.device_copy import host_tensor
+
+
+def _check_layer(layer: PagedAttention) -> None:
+    if layer.sliding_window is not None or layer.logit_softcap is not None:
+        raise NotImplementedError(
+            "attention_backend 'triton' has no sliding window or logit soft-cap yet: use "
+            "attention_backend 'torch' for this model")
 
 
 @dataclass
@@ -38,18 +47,24 @@ class TritonMetadata(AttentionMetadata):
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor) -> torch.Tensor:
-        if layer.sliding_window is not None or layer.logit_softcap is not None:
-            raise NotImplementedError(
-                "attention_backend 'triton' has no sliding window or logit soft-cap yet: use "
-                "attention_backend 'torch' for this model")
         # Imported on first use: treadle imports without triton, and a kernel is interpreted or
         # compiled as its module is imported (TRITON_INTERPRET).
-        from treadle.attention.triton_decode import split_kv_decode
         from treadle.attention.triton_kv_write import write_kv
+
+        _check_layer(layer)
+        write_kv(k, v, kv_cache[0], kv_cache[1], self.slot_mapping)
+        return self.attend_written(layer, q, kv_cache)
+
+    def kv_target(self, layer: PagedAttention, kv_cache: torch.Tensor) -> KVTarget:
+        return KVTarget(kv_cache[0], kv_cache[1], self.slot_mapping)
+
+    def attend_written(self, layer: PagedAttention, q: torch.Tensor,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
+        from treadle.attention.triton_decode import split_kv_decode
         from treadle.attention.triton_unified import unified_attention
 
+        _check_layer(layer)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = self.num_decodes
         if self.num_kv_splits > 1:

@@ -94,17 +94,24 @@ class Attention(nn.Module):
             from treadle.models import triton_ops
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            # Where the backend lets it, the RoPE kernel writes K/V into the cache as it makes
+            # K, and the backend's own write launch is saved (heads rotated whole only).
+            target = (self.attn.kv_target(kv_cache, meta) if cos.shape[-1] == self.head_dim
+                      else None)
+            write_kv = (v, target) if target is not None else None
             if self.q_norm is None:
-                triton_ops.rope_(q, k, cos, sin)
+                triton_ops.rope_(q, k, cos, sin, write_kv)
             elif (type(self.q_norm) is type(self.k_norm) is RMSNorm
                   and q.dtype == self.q_norm.weight.dtype == self.k_norm.weight.dtype
                   and self.q_norm.eps == self.k_norm.eps
                   and triton_ops.fuses_qk_norm_rope(self.head_dim, cos.shape[-1])):
                 q, k = triton_ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight,
-                                               self.q_norm.eps, cos, sin)
+                                               self.q_norm.eps, cos, sin, write_kv)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
-                triton_ops.rope_(q, k, cos, sin)
+                triton_ops.rope_(q, k, cos, sin, write_kv)
+            if write_kv is not None:
+                return self.o_proj(self.attn.attend_written(q, kv_cache, meta))
             return self.o_proj(self.attn(q, k, v, kv_cache, meta))
         # The fused op rotates whole heads: a partly rotary head takes the Python path.
         rope = self._rope_in_place if self.native and cos.shape[-1] == self.head_dim else apply_rope

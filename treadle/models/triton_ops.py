@@ -1,6 +1,8 @@
 """The decoder's elementwise ops in Triton, for the GPU path: RMSNorm (Llama's and Gemma's
 (1 + weight) form), the residual add fused into the norm after it, SiLU-and-mul and GeGLU
 (tanh), RoPE applied to q and k in place, and Qwen3's q/k head norms with RoPE in one launch.
+The RoPE kernels can also write the layer's new K/V into the paged cache as they make K,
+which spares the attention backend's own write launch (attention/backend.py, `kv_target`).
 
 Each op does the torch path's arithmetic (treadle/models/llama.py, gemma.py, rope.py) in the
 same order with the same roundings: fp32 inside, and a value rounded to the model's dtype
@@ -24,6 +26,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from treadle.attention.backend import KVTarget
 
 # Round to bf16 in integer bits: under the interpreter only (see the module's docstring).
 _ROUND_IN_BITS = os.environ.get("TRITON_INTERPRET") == "1"
@@ -135,33 +139,64 @@ def _cos_sin_halves(cos_ptr, sin_ptr, tokens, token_ok, stride_cos, stride_sin, 
 def _store_rotated(ptrs, x1, x2, c1, c2, s1, s2, mask, dtype: tl.constexpr,
                    HALF: tl.constexpr, IN_BITS: tl.constexpr):
     """x * cos + rotate_half(x) * sin of the fp32 halves x1, x2, stored at ptrs and ptrs + HALF,
-    each product rounded to the dtype as torch rounds it."""
+    each product rounded to the dtype as torch rounds it; returns the two halves stored."""
     a = _round(x1 * c1, dtype, IN_BITS).to(tl.float32)
     b = _round(x2 * s1, dtype, IN_BITS).to(tl.float32)
     c = _round(x2 * c2, dtype, IN_BITS).to(tl.float32)
     e = _round(x1 * s2, dtype, IN_BITS).to(tl.float32)
-    tl.store(ptrs, _round(a - b, dtype, IN_BITS), mask=mask)
-    tl.store(ptrs + HALF, _round(c + e, dtype, IN_BITS), mask=mask)
+    y1 = _round(a - b, dtype, IN_BITS)
+    y2 = _round(c + e, dtype, IN_BITS)
+    tl.store(ptrs, y1, mask=mask)
+    tl.store(ptrs + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
 def _rotate_heads(x_ptr, tokens, token_ok, stride_t, stride_h, num_heads, c1, c2, s1, s2, d,
                   d_ok, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, IN_BITS: tl.constexpr):
     """Some tokens' heads rotated in place over their first 2 * HALF features. Tiles are
-    [tokens, heads, HALF_PAD]; cos and sin halves [tokens, 1, HALF_PAD]."""
+    [tokens, heads, HALF_PAD]; cos and sin halves [tokens, 1, HALF_PAD]. Returns the rotated
+    halves and their mask."""
     heads = tl.arange(0, HEADS_PAD)[None, :, None]
     mask = token_ok[:, None, None] & (heads < num_heads) & d_ok[None, None, :]
     ptrs = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h + d[None, None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    _store_rotated(ptrs, x1, x2, c1, c2, s1, s2, mask, x_ptr.dtype.element_ty, HALF, IN_BITS)
+    y1, y2 = _store_rotated(ptrs, x1, x2, c1, c2, s1, s2, mask, x_ptr.dtype.element_ty, HALF,
+                            IN_BITS)
+    return y1, y2, mask
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                 stride_cos, stride_sin, num_tokens, num_q_heads, num_k_heads,
+def _write_kv_heads(k1, k2, mask, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, tokens, token_ok,
+                    stride_vt, stride_vh, stride_cb, stride_cp, stride_ch, d,
+                    HALF: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Some tokens' new K (its halves k1, k2 as rotated, under `mask`, [tokens, heads,
+    HALF_PAD]) and V (read at v_ptr) into the paged cache at their slots, as
+    attention/triton_kv_write.py writes them: a negative slot (padding) writes nothing."""
+    slots = tl.load(slot_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
+    ok = mask & (slots >= 0)[:, None, None]
+    slots = tl.where(slots >= 0, slots, 0)
+    heads = tl.arange(0, HEADS_PAD)[None, :, None]
+    at = ((slots // BLOCK_SIZE) * stride_cb + (slots % BLOCK_SIZE) * stride_cp)[:, None, None] \
+        + heads * stride_ch + d[None, None, :]
+    tl.store(k_cache_ptr + at, k1, mask=ok)
+    tl.store(k_cache_ptr + at + HALF, k2, mask=ok)
+    v = v_ptr + tokens[:, None, None] * stride_vt + heads * stride_vh + d[None, None, :]
+    tl.store(v_cache_ptr + at, tl.load(v, mask=ok), mask=ok)
+    tl.store(v_cache_ptr + at + HALF, tl.load(v + HALF, mask=ok), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+                 stride_vt, stride_vh, stride_cb, stride_cp, stride_ch,
+                 num_tokens, num_q_heads, num_k_heads,
                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
-                 K_HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr, IN_BITS: tl.constexpr):
+                 K_HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr, IN_BITS: tl.constexpr,
+                 WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """q and k rotated in place; with WRITE_KV, k as rotated and v into the paged cache too
+    (heads rotated whole)."""
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     token_ok = tokens < num_tokens
     d = tl.arange(0, HALF_PAD)
@@ -170,8 +205,12 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt
                                      d, d_ok, HALF)
     _rotate_heads(q_ptr, tokens, token_ok, stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2,
                   d, d_ok, HALF, Q_HEADS_PAD, IN_BITS)
-    _rotate_heads(k_ptr, tokens, token_ok, stride_kt, stride_kh, num_k_heads, c1, c2, s1, s2,
-                  d, d_ok, HALF, K_HEADS_PAD, IN_BITS)
+    k1, k2, k_mask = _rotate_heads(k_ptr, tokens, token_ok, stride_kt, stride_kh, num_k_heads,
+                                   c1, c2, s1, s2, d, d_ok, HALF, K_HEADS_PAD, IN_BITS)
+    if WRITE_KV:
+        _write_kv_heads(k1, k2, k_mask, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, tokens,
+                        token_ok, stride_vt, stride_vh, stride_cb, stride_cp, stride_ch, d,
+                        HALF, K_HEADS_PAD, BLOCK_SIZE)
 
 
 @triton.jit
@@ -180,7 +219,8 @@ def _norm_rotate_heads(x_ptr, out_ptr, w_ptr, tokens, token_ok, stride_t, stride
                        IN_BITS: tl.constexpr):
     """Some tokens' heads RMSNormed (Llama's form) into `out_ptr` ([tokens, heads, 2 * HALF],
     contiguous), then rotated there: rms_norm, then _rotate_heads, in one pass. The sum of
-    squares is over whole rows, as _normalize's, so each value is the two kernels' own."""
+    squares is over whole rows, as _normalize's, so each value is the two kernels' own.
+    Returns the rotated halves and their mask."""
     heads = tl.arange(0, HEADS_PAD)[None, :, None]
     mask = token_ok[:, None, None] & (heads < num_heads)
     rows = x_ptr + tokens[:, None, None] * stride_t + heads * stride_h
@@ -196,16 +236,21 @@ def _norm_rotate_heads(x_ptr, out_ptr, w_ptr, tokens, token_ok, stride_t, stride
     x1 = _round(_round(x1 * rstd, dtype, IN_BITS).to(tl.float32) * w1, dtype, IN_BITS).to(tl.float32)
     x2 = _round(_round(x2 * rstd, dtype, IN_BITS).to(tl.float32) * w2, dtype, IN_BITS).to(tl.float32)
     out = out_ptr + (tokens[:, None, None] * num_heads + heads) * (2 * HALF) + d[None, None, :]
-    _store_rotated(out, x1, x2, c1, c2, s1, s2, mask, dtype, HALF, IN_BITS)
+    y1, y2 = _store_rotated(out, x1, x2, c1, c2, s1, s2, mask, dtype, HALF, IN_BITS)
+    return y1, y2, mask
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
+                         v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+                         stride_vt, stride_vh, stride_cb, stride_cp, stride_ch,
                          num_tokens, num_q_heads, num_k_heads, eps, HALF: tl.constexpr,
                          Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-                         TOKENS: tl.constexpr, IN_BITS: tl.constexpr):
-    """_norm_rotate_heads over q and k; heads rotated whole, so HALF is a power of two."""
+                         TOKENS: tl.constexpr, IN_BITS: tl.constexpr, WRITE_KV: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr):
+    """_norm_rotate_heads over q and k; heads rotated whole, so HALF is a power of two. With
+    WRITE_KV, k as rotated and v into the paged cache too."""
     tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     token_ok = tokens < num_tokens
     d = tl.arange(0, HALF)
@@ -213,8 +258,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, c
                                      d, d < HALF, HALF)
     _norm_rotate_heads(q_ptr, q_out_ptr, q_w_ptr, tokens, token_ok, stride_qt, stride_qh,
                        num_q_heads, eps, c1, c2, s1, s2, d, HALF, Q_HEADS_PAD, IN_BITS)
-    _norm_rotate_heads(k_ptr, k_out_ptr, k_w_ptr, tokens, token_ok, stride_kt, stride_kh,
-                       num_k_heads, eps, c1, c2, s1, s2, d, HALF, K_HEADS_PAD, IN_BITS)
+    k1, k2, k_mask = _norm_rotate_heads(k_ptr, k_out_ptr, k_w_ptr, tokens, token_ok, stride_kt,
+                                        stride_kh, num_k_heads, eps, c1, c2, s1, s2, d, HALF,
+                                        K_HEADS_PAD, IN_BITS)
+    if WRITE_KV:
+        _write_kv_heads(k1, k2, k_mask, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, tokens,
+                        token_ok, stride_vt, stride_vh, stride_cb, stride_cp, stride_ch, d,
+                        HALF, K_HEADS_PAD, BLOCK_SIZE)
 
 
 def _tile(block: int) -> tuple[int, int]:
@@ -304,17 +354,23 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _act_and_mul(gate_up, gelu_tanh=True)
 
 
-def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          write_kv: tuple[torch.Tensor, KVTarget] | None = None) -> None:
     """Rotate q [tokens, q heads, head dim] and k [tokens, kv heads, head dim] in place, as
     rope.apply_rope does (neox rotate-half over the first cos.shape[-1] features; the rest
     pass through). cos, sin: [tokens, rotary dim] or RotaryEmbedding's [tokens, 1, rotary dim].
-    q and k may be strided views (of the fused qkv output); each head's features contiguous."""
+    q and k may be strided views (of the fused qkv output); each head's features contiguous.
+    `write_kv`: (v, where the layer's K/V go): k as rotated and v into the paged cache too, in
+    the same launch (heads rotated whole only)."""
     rot = cos.shape[-1]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("rope_ rotates in place: each head's features must be contiguous")
     if rot % 2 or rot > q.shape[-1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same tokens "
                          f"and head dim, and rotary dim {rot} be even and at most the head dim")
+    if write_kv is not None and rot != q.shape[-1]:
+        raise ValueError(f"rope_ writes K/V only for heads rotated whole: rotary dim {rot}, "
+                         f"head dim {q.shape[-1]}")
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
@@ -324,10 +380,42 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     q_pad, k_pad = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
     per_program, warps = _tile(max(q_pad, k_pad) * half_pad)
     _rope_kernel[(triton.cdiv(num_tokens, per_program),)](
-        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), sin.stride(0), num_tokens, q.shape[1], k.shape[1],
-        HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad, TOKENS=per_program,
-        IN_BITS=_ROUND_IN_BITS, num_warps=warps, **_LAUNCH)
+        q, k, cos, sin, *_kv_args(write_kv, k, q), q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), cos.stride(0), sin.stride(0), *_kv_strides(write_kv), num_tokens,
+        q.shape[1], k.shape[1], HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=q_pad,
+        K_HEADS_PAD=k_pad, TOKENS=per_program, IN_BITS=_ROUND_IN_BITS,
+        WRITE_KV=write_kv is not None, BLOCK_SIZE=_kv_block_size(write_kv),
+        num_warps=warps, **_LAUNCH)
+
+
+def _kv_args(write_kv: tuple[torch.Tensor, KVTarget] | None, k: torch.Tensor,
+             anything: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' v, k_cache, v_cache and slot pointers; where nothing is written, any
+    tensor stands in for them (never read). Checks what is written against k."""
+    if write_kv is None:
+        return anything, anything, anything, anything
+    v, (k_cache, v_cache, slot_mapping) = write_kv
+    if (v.shape != k.shape or v.stride(-1) != 1 or k_cache.shape != v_cache.shape
+            or k_cache.stride() != v_cache.stride() or k_cache.shape[2:] != k.shape[1:]
+            or k_cache.stride(-1) != 1 or slot_mapping.shape[0] < k.shape[0]):
+        raise ValueError(f"write_kv takes v as k {tuple(k.shape)} with contiguous features, "
+                         f"and caches [blocks, block size, kv heads, head dim] of one layout "
+                         f"with a slot per token: v {tuple(v.shape)}, caches "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, "
+                         f"{slot_mapping.shape[0]} slots")
+    return v, k_cache, v_cache, slot_mapping
+
+
+def _kv_strides(write_kv: tuple[torch.Tensor, KVTarget] | None) -> tuple[int, ...]:
+    """v's token and head strides, and the cache's block, position and head strides."""
+    if write_kv is None:
+        return 0, 0, 0, 0, 0
+    v, (k_cache, _, _) = write_kv
+    return v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
+def _kv_block_size(write_kv: tuple[torch.Tensor, KVTarget] | None) -> int:
+    return 1 if write_kv is None else write_kv[1].k_cache.shape[1]
 
 
 def fuses_qk_norm_rope(head_dim: int, rotary_dim: int) -> bool:
@@ -336,11 +424,14 @@ def fuses_qk_norm_rope(head_dim: int, rotary_dim: int) -> bool:
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 write_kv: tuple[torch.Tensor, KVTarget] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's q and k head norms (Llama's RMSNorm per head) and RoPE in one launch, where
     rms_norm twice and rope_ take three: new contiguous q [tokens, q heads, head dim] and k,
     with the values of those three. q, k: strided views (of the fused qkv output), each head's
-    features contiguous; the weights of their dtype; heads rotated whole (fuses_qk_norm_rope)."""
+    features contiguous; the weights of their dtype; heads rotated whole (fuses_qk_norm_rope).
+    `write_kv`: as rope_'s, k as returned and v into the paged cache in the same launch."""
     num_tokens, head_dim = q.shape[0], q.shape[-1]
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != num_tokens:
         raise ValueError(f"qk_norm_rope takes q and k as [tokens, heads, head dim] with the same "
@@ -361,8 +452,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     q_pad, k_pad = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
     per_program, warps = _tile(max(q_pad, k_pad) * head_dim)
     _qk_norm_rope_kernel[(triton.cdiv(num_tokens, per_program),)](
-        q, k, q_out, k_out, q_weight, k_weight, cos, sin, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), num_tokens, q.shape[1],
-        k.shape[1], eps, HALF=head_dim // 2, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad,
-        TOKENS=per_program, IN_BITS=_ROUND_IN_BITS, num_warps=warps, **_LAUNCH)
+        q, k, q_out, k_out, q_weight, k_weight, cos, sin, *_kv_args(write_kv, k, q),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        *_kv_strides(write_kv), num_tokens, q.shape[1], k.shape[1], eps, HALF=head_dim // 2,
+        Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad, TOKENS=per_program, IN_BITS=_ROUND_IN_BITS,
+        WRITE_KV=write_kv is not None, BLOCK_SIZE=_kv_block_size(write_kv), num_warps=warps,
+        **_LAUNCH)
     return q_out, k_out

@@ -174,7 +174,7 @@ def _writes_kv_case(op: str, shape: tuple, dtype: torch.dtype, device: torch.dev
                for _ in range(2)]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[tokens // 2] = -1   # a padding token: nothing written
-    slots = slots.to(device)
+    slots = slots.to(device=device, dtype=torch.int32)   # as the backend and the graphs hold them
 
     def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         x = qkv.clone()
@@ -257,7 +257,7 @@ def compile_for_sm90(dtype: str) -> dict[str, bool]:
             if name in constants:
                 signature[name] = "constexpr"
             elif name == "slot_ptr":
-                signature[name] = "*i64"
+                signature[name] = "*i32"   # the backend's and the graphs' slot mapping
             elif name.endswith("_ptr"):
                 signature[name] = f"*{dtype}"
             else:
@@ -306,6 +306,17 @@ def test_what_the_in_place_ops_cannot_serve_is_refused_before_any_launch():
     with pytest.raises(ValueError, match="share a dtype"):
         triton_ops.qk_norm_rope(q, k, torch.ones(16, dtype=torch.bfloat16), torch.ones(16), EPS,
                                 cos, cos)
+    # Writing K/V as RoPE makes them: heads rotated whole, into caches that fit them.
+    from treadle.attention.backend import KVTarget
+
+    cache = torch.zeros(2, 4, 4, 2, 16)
+    target = (torch.zeros(3, 2, 16), KVTarget(cache[0], cache[1], torch.zeros(3, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="only for heads rotated whole: rotary dim 8, head dim 16"):
+        triton_ops.rope_(q, k, half, half, target)
+    wrong_heads = (torch.zeros(3, 2, 16), KVTarget(cache[0, :, :, :1], cache[1, :, :, :1],
+                                                    target[1].slot_mapping))
+    with pytest.raises(ValueError, match="caches \\[blocks, block size, kv heads, head dim\\]"):
+        triton_ops.qk_norm_rope(q, k, torch.ones(16), torch.ones(16), EPS, cos, cos, wrong_heads)
 
 
 # -- under the interpreter -------------------------------------------------------------------

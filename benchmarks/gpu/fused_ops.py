@@ -85,7 +85,7 @@ def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callab
         v = randn(tokens, KV_HEADS, HEAD_DIM)
         cache = torch.zeros(2, -(-tokens // 16) + 1, 16, KV_HEADS, HEAD_DIM, dtype=dtype,
                             device=device)
-        slots = torch.randperm(cache.shape[1] * 16, generator=gen)[:tokens].to(device)
+        slots = torch.randperm(cache.shape[1] * 16, generator=gen)[:tokens].to(device, torch.int32)
         return q, k, cos, sin, v, cache, slots
 
     def eager_write_kv(k, v, cache, slots):   # as the torch backend writes them

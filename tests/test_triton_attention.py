@@ -110,30 +110,61 @@ def write_kv_skips_padding(device_name: str) -> bool:
 
 
 def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_tokens: int,
-               device_name: str) -> dict:
+               device_name: str, on_graph_buffers: bool = False, deferred: bool = False) -> dict:
     """Greedy output of the whole engine on the triton backend in fp32, with prefill chunks of
     16 tokens and n-gram drafts (matching a single token, so that the tiny models' outputs get
     some); `follow_up` runs after `prompts`, for a prefix hit. Counts the attention backend's
-    own K/V writes, which the models' RoPE kernels spare where they write K/V themselves."""
+    own K/V writes, which the models' RoPE kernels spare where they write K/V themselves.
+    On CUDA the engine captures decode and mixed-step graphs itself; on the CPU,
+    `on_graph_buffers` runs every step on the graphs' buffers, eagerly, as the CUDA graphs
+    would replay it (worker/cuda_graphs.py, mixed_graphs.py). `deferred`: async scheduling,
+    steps deferred (on the CPU by leave: worker/deferred_step.py), and no drafts (a step that
+    proposes drafts is never deferred)."""
     from treadle import LLM, SamplingParams
     from treadle.attention import triton_kv_write
+    from treadle.worker.cuda_graphs import DecodeGraphs
+    from treadle.worker.deferred_step import DeferredStep
 
     # Closed at the end: on a GPU the next engine in this process sizes its cache against what
     # this one leaves free.
     with mock.patch.object(triton_kv_write, "write_kv", wraps=triton_kv_write.write_kv) as backend_write, \
             LLM(path, device=device_name, attention_backend="triton", dtype="float32",
-                block_size=BLOCK_SIZE, max_num_batched_tokens=16, **shared_gpu(device_name),
-                speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
-        assert llm.engine.core.executor.worker.runner.attention.name == "triton"
+                block_size=BLOCK_SIZE, max_num_batched_tokens=16, async_scheduling=deferred,
+                **shared_gpu(device_name),
+                speculative_config=None if deferred else {
+                    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 3}) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        assert runner.attention.name == "triton"
+        if on_graph_buffers and device_name == "cpu":
+            runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 16,
+                                         runner.slots.block_table.shape[2], runner.device,
+                                         capture=False, backend=runner.attention,
+                                         mixed_tokens=16,
+                                         max_reqs=runner.config.scheduler.max_num_seqs)
+            if deferred:
+                runner.allow_deferred_steps()
+        execute, num_deferred = runner.execute_model, []
+
+        def counted(so):
+            out = execute(so)
+            num_deferred.append(isinstance(out, DeferredStep))
+            return out
+
+        runner.execute_model = counted
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         hit = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)[0]
         llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+        graphs = runner.graphs
         return {"tokens": [o.outputs[0].token_ids for o in outs] + [hit.outputs[0].token_ids],
                 "cached": hit.num_cached_tokens,
                 "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens,
-                "backend_kv_writes": backend_write.call_count}
+                "backend_kv_writes": backend_write.call_count,
+                "steps": len(num_deferred), "deferred_steps": sum(num_deferred),
+                "decode_graph_steps": graphs.num_steps if graphs is not None else 0,
+                "mixed_graph_steps": (graphs.mixed.num_steps
+                                      if graphs is not None and graphs.mixed is not None else 0)}
 
 
 def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
@@ -351,7 +382,7 @@ def _check_engine(result: dict, path: str, prompts, follow_up, max_tokens: int, 
     ref = reference(path)
     assert result["tokens"] == [ref.greedy(p, max_tokens) for p in prompts + [follow_up]]
     assert result["cached"] == 2 * BLOCK_SIZE
-    assert result["drafts"] > 0
+    assert result["drafts"] > 0 or result["deferred_steps"] > 0   # deferred steps draft none
     assert result["backend_kv_writes"] == 0   # RoPE's launch wrote every layer's K/V
 
 
@@ -373,6 +404,10 @@ def interpreted_engines(tiny_checkpoints, tmp_path_factory) -> dict:
                                    10, "cpu"])
              for arch in ("llama", "qwen3")}
     qwen3 = tiny_checkpoints["qwen3"]
+    for arch, deferred in (("qwen3", False), ("llama", True)):
+        path = tiny_checkpoints[arch]
+        calls[f"mixed_{arch}"] = ("run_engine", [path, *_engine_prompts(path), 10, "cpu", True,
+                                                 deferred])
     calls["graph_eager"] = ("run_engine_on_graph_buffers", [qwen3, _engine_prompts(qwen3)[0], 8, "cpu"])
     calls["graph_deferred"] = ("run_engine_on_graph_buffers",
                                [qwen3, _engine_prompts(qwen3)[0], 8, "cpu", True, 16])
@@ -388,6 +423,27 @@ def test_the_engine_on_the_interpreter_matches_transformers(tiny_checkpoints, re
     path = tiny_checkpoints[arch]
     prompts, follow_up = _engine_prompts(path)
     _check_engine(interpreted_engines[arch], path, prompts, follow_up, 10, reference)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_every_step_on_the_graph_buffers_matches_transformers(tiny_checkpoints, reference,
+                                                              interpreted_engines, arch):
+    """Prefill chunks, drafts, decodes and a prefix hit, every step on the CUDA graphs'
+    buffers and padding (mixed steps padded to 16 tokens), run eagerly under the interpreter;
+    the llama's steps deferred (async scheduling), their input tokens put into the buffers
+    on the device."""
+    path = tiny_checkpoints[arch]
+    prompts, follow_up = _engine_prompts(path)
+    result = interpreted_engines[f"mixed_{arch}"]
+    _check_engine(result, path, prompts, follow_up, 10, reference)
+    _check_graph_steps(result, deferred=arch == "llama")
+
+
+def _check_graph_steps(result: dict, deferred: bool) -> None:
+    """Every step of a run_engine on graphs took one, mixed steps included."""
+    assert result["mixed_graph_steps"] >= 3 and result["decode_graph_steps"] >= 1, result
+    assert result["mixed_graph_steps"] + result["decode_graph_steps"] == result["steps"], result
+    assert (result["deferred_steps"] > 0) == deferred, result
 
 
 def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, reference,
@@ -473,8 +529,9 @@ def test_decode_cuda_graphs_match_transformers(tiny_checkpoints, reference):
 def test_the_engine_on_cuda_matches_transformers(tiny_checkpoints, reference, arch):
     path = tiny_checkpoints[arch]
     prompts, follow_up = _engine_prompts(path)
-    result = run_engine(path, prompts, follow_up, 24, "cuda")
+    result = run_engine(path, prompts, follow_up, 24, "cuda", deferred=arch == "llama")
     _check_engine(result, path, prompts, follow_up, 24, reference)
+    _check_graph_steps(result, deferred=arch == "llama")   # replayed graphs, mixed ones too
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@ sequences), the step replays a second graph of its size, captured with the backe
 split count: each sequence takes its ranges from its own length on the device, as an eager
 step's would (attention/triton_decode.py), so one graph serves every length, and the host only
 picks which graph to replay. (A change to the backend's split settings takes a recapture.)
-Sampling stays outside the graph. Anything that moves the captured tensors (the KV cache freed
+Mixed steps (prefill chunks, drafts) replay graphs of their own, captured first into the same
+pool (worker/mixed_graphs.py). Sampling stays outside the graph. Anything that moves the captured tensors (the KV cache freed
 by sleep, weights moved to the host and back, parameters given new storage) drops the graphs:
 `valid_for` sees it, and the runner captures again.
 
@@ -27,12 +28,15 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
 
 from treadle.attention.triton_backend import TritonBackend, TritonMetadata
 from treadle.device_copy import host_tensor, to_device
+from treadle.worker.mixed_graphs import MixedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +57,11 @@ def tensor_addresses(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> t
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
                  max_blocks: int, device: torch.device, capture: bool = True,
-                 backend: TritonBackend | None = None) -> None:
+                 backend: TritonBackend | None = None, mixed_tokens: int = 0,
+                 max_reqs: int = 0) -> None:
         """`backend`: the attention backend whose split-KV choice the graphs follow (none: they
-        never split)."""
+        never split). With `mixed_tokens`, graphs of mixed steps too, of up to that many tokens
+        over up to `max_reqs` requests (`mixed`: worker/mixed_graphs.py)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.backend = backend
         self.sizes = capture_sizes(max_batch)
@@ -73,6 +79,8 @@ class DecodeGraphs:
         self.split_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # split-KV
         self.num_split_steps = 0   # of num_steps, those whose decodes took the split-KV path
         self.num_steps = 0   # decode steps served (replayed, or run eagerly on the buffers)
+        self.mixed = (MixedGraphs(model, kv_caches, mixed_tokens, max_reqs, max_blocks, device)
+                      if mixed_tokens > 0 else None)
         if capture:
             self._capture_all()
 
@@ -156,25 +164,32 @@ class DecodeGraphs:
         # One stream for every warm-up: each new stream would get a cuBLAS workspace of its
         # own, kept for good (32 MiB on an H100).
         side = torch.cuda.Stream(self.device)
-        for size in sorted(self.sizes, reverse=True):   # the largest first: the pool fits all
+        # The largest first, mixed steps' before decodes': the pool fits all.
+        for size in sorted(self.mixed.sizes if self.mixed is not None else [], reverse=True):
+            self.mixed.fill_padding(size)
+            self.mixed.graphs[size] = self._capture(partial(self.mixed.forward, size), pool, side)
+        for size in sorted(self.sizes, reverse=True):
             self._fill(0, size, *(np.zeros(0, np.int64) for _ in range(4)),
                        np.zeros((0, 1), np.int64))
-            self.graphs[size] = self._capture(size, 1, pool, side)
+            self.graphs[size] = self._capture(partial(self._forward, size), pool, side)
             if (splits := self._splits(size)) > 1:
-                self.split_graphs[size] = self._capture(size, splits, pool, side)
+                self.split_graphs[size] = self._capture(partial(self._forward, size, splits),
+                                                        pool, side)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch 1..%d; %d more split-KV) in %.1fs",
-                    len(self.graphs), self.max_batch, len(self.split_graphs),
-                    time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch 1..%d; %d more split-KV) and %d of "
+                    "mixed steps (up to %d tokens) in %.1fs", len(self.graphs), self.max_batch,
+                    len(self.split_graphs), len(self.mixed.graphs) if self.mixed else 0,
+                    self.mixed.max_tokens if self.mixed else 0, time.perf_counter() - start)
 
-    def _capture(self, size: int, splits: int, pool, side: torch.cuda.Stream
+    def _capture(self, forward: Callable[[], torch.Tensor], pool, side: torch.cuda.Stream
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # The warm-up runs on `side`, off the capture stream, as torch asks.
+        """A graph of `forward`, and its output; the warm-up runs on `side`, off the capture
+        stream, as torch asks."""
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(size, splits)
+            forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = self._forward(size, splits)
+            out = forward()
         return graph, out

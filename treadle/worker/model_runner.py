@@ -158,7 +158,9 @@ class ModelRunner(WeightControls):
         max_batch = min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_GRAPH_BATCH)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch,
                                    self.slots.block_table.shape[2], self.device,
-                                   backend=self.attention)
+                                   backend=self.attention,
+                                   mixed_tokens=sched.max_num_batched_tokens,
+                                   max_reqs=sched.max_num_seqs)
 
     def _keep_graphs_valid(self) -> None:
         """Capture again where the graphs' tensors moved (weights or cache given new memory)."""
@@ -307,13 +309,21 @@ class ModelRunner(WeightControls):
         rope_positions = positions
         if self.long_rope_offset:
             rope_positions = positions + self.long_rope_offset * slots.long_rope[token_slot]
-        if (self.graphs is not None and len(decodes) == len(idx)
-                and self.graphs.padded_size(len(idx)) is not None):
+        graphs = self.graphs
+        if (graphs is not None and len(decodes) == len(idx)
+                and graphs.padded_size(len(idx)) is not None):
             # Every request decodes one token: a CUDA graph's step (worker/cuda_graphs.py).
             block_table = slots.block_table[0, idx]   # graphs serve models with one group
-            hidden = self.graphs.run(input_ids, rope_positions,
-                                     self.attention.slots(q_lens, positions, block_table), ends,
-                                     block_table, patch)
+            hidden = graphs.run(input_ids, rope_positions,
+                                self.attention.slots(q_lens, positions, block_table), ends,
+                                block_table, patch)
+        elif (graphs is not None and graphs.mixed is not None
+              and graphs.mixed.padded_size(total, len(idx)) is not None):
+            # Prefill chunks or drafts: a mixed step's graph (worker/mixed_graphs.py).
+            block_table = slots.block_table[0, idx]
+            hidden = graphs.mixed.run(input_ids, rope_positions,
+                                      self.attention.slots(q_lens, positions, block_table),
+                                      q_lens, ends, block_table, patch)
         else:
             meta = self.attention.build_group_metadata(q_lens, ctx, positions,
                                                        slots.block_table[:, idx])

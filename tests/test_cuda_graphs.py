@@ -14,6 +14,7 @@ import torch
 from tests.gpu import shared_gpu
 from treadle import LLM
 from treadle.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from treadle.worker.mixed_graphs import MAX_MIXED_TOKENS, mixed_sizes
 
 
 class Recorder(torch.nn.Module):
@@ -29,6 +30,41 @@ class Recorder(torch.nn.Module):
                           "slots": meta.slot_mapping.tolist(), "seq_lens": meta.seq_lens.tolist(),
                           "table": meta.block_table.tolist(), "starts": meta.query_start.tolist()})
         return torch.zeros(len(input_ids), 3)
+
+
+def test_mixed_sizes():
+    assert mixed_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert mixed_sizes(100) == [16, 32, 64, 100] and mixed_sizes(8192)[-1] == MAX_MIXED_TOKENS
+
+
+def test_a_mixed_steps_padding_is_a_request_of_its_own_that_writes_nothing():
+    """A step of a 2-token chunk beside a decode, padded to 16 tokens, then a step of one
+    request: the padding tokens are one more request (positions 0, slots -1, the null block's
+    row, its own length), the requests after it empty, and nothing of the first step's third
+    request is left where the second step's padding request reads."""
+    model = Recorder()
+    graphs = DecodeGraphs(model, [], max_batch=2, max_blocks=3, device=torch.device("cpu"),
+                          capture=False, mixed_tokens=32, max_reqs=3)
+    mixed = graphs.mixed
+    table = np.array([[5, 6, 0], [7, 0, 0]])
+    out = mixed.run(np.array([11, 12, 13]), np.array([40, 2, 3]), np.array([90, 114, 115]),
+                    np.array([1, 2]), np.array([41, 4]), table)
+    assert out.shape == (3, 3)
+    mixed.run(np.array([21, 22]), np.array([1, 2]), np.array([81, 82]), np.array([2]),
+              np.array([3]), table[1:, :1])
+    first, second = model.seen
+    assert first == {"ids": [11, 12, 13] + [0] * 13, "positions": [40, 2, 3] + [0] * 13,
+                     "slots": [90, 114, 115] + [-1] * 13, "seq_lens": [41, 4, 13, 0],
+                     "starts": [0, 1, 3, 16, 16], "table": table.tolist() + [[0] * 3] * 2}
+    assert second["starts"] == [0, 2, 16, 16, 16] and second["seq_lens"] == [3, 14, 0, 0]
+    assert second["table"][0][0] == 7 and second["table"][1] == [0, 0, 0]   # the padding's row
+    assert second["slots"] == [81, 82] + [-1] * 14 and second["positions"] == [1, 2] + [0] * 14
+    assert mixed.padded_size(17, 3) == 32 and mixed.padded_size(33, 1) is None
+    assert mixed.padded_size(8, 4) is None   # more requests than max_num_seqs: never scheduled
+    assert (mixed.num_steps, mixed.num_replays) == (2, 0)
+    mixed.fill_padding(32)   # as captured: every token the padding request's
+    assert len(model.seen) == 2 and mixed.seq_lens.tolist() == [32, 0, 0, 0]
+    assert mixed.query_start.tolist() == [0, 32, 32, 32, 32] and not mixed.positions.any()
 
 
 def test_capture_sizes_are_vllms():

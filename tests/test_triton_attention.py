@@ -163,8 +163,9 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
                 "backend_kv_writes": backend_write.call_count,
                 "steps": len(num_deferred), "deferred_steps": sum(num_deferred),
                 "decode_graph_steps": graphs.num_steps if graphs is not None else 0,
-                "mixed_graph_steps": (graphs.mixed.num_steps
-                                      if graphs is not None and graphs.mixed is not None else 0)}
+                **{f"mixed_{name}": (getattr(graphs.mixed, f"num_{name}")
+                                     if graphs is not None and graphs.mixed is not None else 0)
+                   for name in ("steps", "replays", "patched")}}
 
 
 def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
@@ -436,14 +437,17 @@ def test_every_step_on_the_graph_buffers_matches_transformers(tiny_checkpoints, 
     prompts, follow_up = _engine_prompts(path)
     result = interpreted_engines[f"mixed_{arch}"]
     _check_engine(result, path, prompts, follow_up, 10, reference)
-    _check_graph_steps(result, deferred=arch == "llama")
+    _check_graph_steps(result, deferred=arch == "llama", replayed=False)
 
 
-def _check_graph_steps(result: dict, deferred: bool) -> None:
-    """Every step of a run_engine on graphs took one, mixed steps included."""
-    assert result["mixed_graph_steps"] >= 3 and result["decode_graph_steps"] >= 1, result
-    assert result["mixed_graph_steps"] + result["decode_graph_steps"] == result["steps"], result
-    assert (result["deferred_steps"] > 0) == deferred, result
+def _check_graph_steps(result: dict, deferred: bool, replayed: bool) -> None:
+    """Every step of a run_engine on graphs took one, mixed steps included; `replayed`: every
+    mixed step replayed a captured graph (on CUDA); `deferred`: some mixed steps took input
+    tokens from the step before on the device."""
+    assert result["mixed_steps"] >= 3 and result["decode_graph_steps"] >= 1, result
+    assert result["mixed_steps"] + result["decode_graph_steps"] == result["steps"], result
+    assert result["mixed_replays"] == (result["mixed_steps"] if replayed else 0), result
+    assert (result["deferred_steps"] > 0) == (result["mixed_patched"] > 0) == deferred, result
 
 
 def test_decode_steps_on_the_graph_buffers_match_transformers(tiny_checkpoints, reference,
@@ -531,7 +535,7 @@ def test_the_engine_on_cuda_matches_transformers(tiny_checkpoints, reference, ar
     prompts, follow_up = _engine_prompts(path)
     result = run_engine(path, prompts, follow_up, 24, "cuda", deferred=arch == "llama")
     _check_engine(result, path, prompts, follow_up, 24, reference)
-    _check_graph_steps(result, deferred=arch == "llama")   # replayed graphs, mixed ones too
+    _check_graph_steps(result, deferred=arch == "llama", replayed=True)
 
 
 @pytest.mark.gpu

@@ -16,9 +16,9 @@ split count: each sequence takes its ranges from its own length on the device, a
 step's would (attention/triton_decode.py), so one graph serves every length, and the host only
 picks which graph to replay. (A change to the backend's split settings takes a recapture.)
 Mixed steps (prefill chunks, drafts) replay graphs of their own, captured first into the same
-pool (worker/mixed_graphs.py). Sampling stays outside the graph. Anything that moves the captured tensors (the KV cache freed
-by sleep, weights moved to the host and back, parameters given new storage) drops the graphs:
-`valid_for` sees it, and the runner captures again.
+pool (worker/mixed_graphs.py). Sampling stays outside the graph. Anything that moves the
+captured tensors (the KV cache freed by sleep, weights moved to the host and back, parameters
+given new storage) drops the graphs: `valid_for` sees it, and the runner captures again.
 
 With `capture=False` the same buffers and padding run eagerly: how the CPU tests hold this
 path to transformers under Triton's interpreter, where no graph can be captured.

@@ -3,12 +3,12 @@
 `gpu_memory_utilization` (default 0.9) is the share of the whole device this engine may use.
 The worker reads the free memory before it takes any, loads the model, then runs one step as
 large as the scheduler can ever give it (`max_num_batched_tokens` prompt tokens over up to
-`max_num_seqs` requests, each sampling) on a throwaway KV cache, and captures the decode CUDA
-graphs there too, where they will serve, to measure their memory pool. The KV cache is what is
-left:
+`max_num_seqs` requests, each sampling) on a throwaway KV cache, and captures the CUDA graphs
+(decode and mixed steps) there too, where they will serve, to measure their memory pool. The
+KV cache is what is left:
 
     total * utilization - (what the worker holds after loading) - (the step's peak activations)
-                        - (the decode graphs' pool)
+                        - (the CUDA graphs' pool)
 
 The graphs are captured twice, then: on the throwaway cache to be measured, and for good once
 the real cache exists (their addresses are the cache's). Their pool depends on the batch sizes,
@@ -53,7 +53,7 @@ class MemoryProfile:
         run and the profile's graphs are let go, torch's cache emptied: the weights,
         workspaces, kernels loaded, the runtime's own.
     peak_activations: how far the profile step's allocations rose above where they started.
-    graph_pool: what the decode CUDA graphs hold (their memory pool, and the driver's own for
+    graph_pool: what the CUDA graphs hold (their memory pool, and the driver's own for
         the graphs): what letting them go gave back; 0 where no graphs serve.
     """
 
@@ -75,7 +75,7 @@ class MemoryProfile:
                 f"to at most {self.free_at_start / self.total:.2f}, or stop what holds the memory")
         kv_bytes = requested - self.held_after_load - self.peak_activations - self.graph_pool
         if kv_bytes <= 0:
-            graphs = (f", and the decode CUDA graphs {self.graph_pool / GiB:.2f} GiB "
+            graphs = (f", and the CUDA graphs {self.graph_pool / GiB:.2f} GiB "
                       "(enforce_eager=True does without them)" if self.graph_pool else "")
             raise ValueError(
                 f"gpu_memory_utilization {utilization} ({requested / GiB:.2f} GiB) leaves nothing "
@@ -155,7 +155,7 @@ def _free_memory(device: torch.device) -> int:
 
 
 def measure_graph_capture(runner: ModelRunner) -> int:
-    """Capture the runner's decode graphs for good, on its KV cache, and return how much device
+    """Capture the runner's CUDA graphs for good, on its KV cache, and return how much device
     memory that took (the free memory before less after, torch's cache emptied on both sides,
     so that what the warm-up passes borrowed and gave back is not counted). After the
     profile's capture this is the graphs' own memory: what a first capture pays once (cuBLAS
@@ -166,7 +166,7 @@ def measure_graph_capture(runner: ModelRunner) -> int:
 
 
 def profile_graph_pool(runner: ModelRunner, num_blocks: int) -> int:
-    """The decode graphs' memory (0 where no graphs serve): captured on a throwaway KV cache of
+    """The CUDA graphs' memory (0 where no graphs serve): captured on a throwaway KV cache of
     `num_blocks`, it is what letting them go gives back. What the capture paid once and keeps
     (cuBLAS workspaces, kernels loaded) is not the graphs': it stays, and the caller counts it
     as held. The runner is left with no KV cache."""
@@ -184,7 +184,7 @@ def profile_graph_pool(runner: ModelRunner, num_blocks: int) -> int:
 
 
 def profile_memory(runner: ModelRunner, free_at_start: int) -> MemoryProfile:
-    """Run the profile step on the runner's GPU, capture its decode graphs, and measure what
+    """Run the profile step on the runner's GPU, capture its CUDA graphs, and measure what
     they and the model take."""
     device = runner.device
     torch.cuda.synchronize(device)

@@ -7,14 +7,16 @@ A step of T tokens replays the graph captured at the smallest token size >= T (`
 Requests are not padded per graph: every graph has room for `max_reqs` + 1 of them, since the
 kernel's grid is an upper bound from the buffers' shapes, and a request with no tokens returns
 from its one query block at once. The padding tokens T..size are one more request of their
-own: a chunk at positions 0.. with no context, whose slots are -1 (nothing written) and whose
-block table row is the null block (finite zeros read), so every row the graph computes is
-finite. The step's own requests keep their query blocks, numbered as in an eager launch, so
-attention computes their rows as the eager unified launch does; what differs from an eager
-step is that no decode takes the split-KV path here.
+own: a chunk with no context, whose slots are -1 (nothing written), whose block table row is
+the null block (finite zeros read) and whose positions are 0 (the RoPE table may be shorter
+than a graph: causality comes from the lengths, not the positions), so every row the graph
+computes is finite. The step's own requests keep their query blocks, numbered as in an eager
+launch, so attention computes their rows as the eager unified launch does; what differs from
+an eager step is that no decode takes the split-KV path here (a long decode beside a chunk
+walks its keys in one program per KV head, still far cheaper than an eager step's launches).
 
-The buffers, the capture and its pool are DecodeGraphs' (worker/cuda_graphs.py), which owns
-one of these; with `capture=False` the same buffers and padding run eagerly (the CPU tests).
+DecodeGraphs (worker/cuda_graphs.py) owns one of these and captures its graphs, first, into
+its pool; with `capture=False` the same buffers and padding run eagerly (the CPU tests).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class MixedGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_tokens: int,
                  max_reqs: int, max_blocks: int, device: torch.device) -> None:
         """Buffers for steps of up to `max_tokens` tokens over up to `max_reqs` requests; the
-        graphs are captured by `capture` (DecodeGraphs calls it, into its pool)."""
+        graphs of `forward` at each size go into `graphs` (DecodeGraphs captures them)."""
+        assert max_reqs > 0, "a mixed step has a request at least"
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = mixed_sizes(max_tokens)
         self.max_tokens, self.max_reqs = self.sizes[-1], max_reqs
@@ -51,13 +54,14 @@ class MixedGraphs:
         self.input_ids = torch.zeros(self.max_tokens, **as_long)
         self.positions = torch.zeros(self.max_tokens, **as_long)
         self.slot_mapping = torch.full((self.max_tokens,), -1, **as_int)
-        self.pad_positions = torch.arange(self.max_tokens, **as_long)
         # One row more than max_reqs: the padding tokens' request.
         self.seq_lens = torch.zeros(max_reqs + 1, **as_int)
         self.query_start = torch.zeros(max_reqs + 2, **as_int)
         self.block_table = torch.zeros(max_reqs + 1, max_blocks, **as_int)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_steps = 0   # mixed steps served (replayed, or run eagerly on the buffers)
+        self.num_replays = 0   # of them, those that replayed a graph
+        self.num_patched = 0   # of them, those with input tokens from a deferred step
 
     def padded_size(self, num_tokens: int, num_reqs: int) -> int | None:
         """The smallest size that holds a step of num_tokens over num_reqs requests; None
@@ -79,10 +83,12 @@ class MixedGraphs:
         self._fill(size, input_ids, positions, slot_mapping, query_lens, seq_lens, block_table)
         if patch is not None:
             self.input_ids[to_device(patch[0], self.device)] = patch[1]
+            self.num_patched += 1
         self.num_steps += 1
         if size in self.graphs:
             graph, out = self.graphs[size]
             graph.replay()
+            self.num_replays += 1
         else:
             out = self.forward(size)
         return out[:num_tokens]
@@ -113,7 +119,7 @@ class MixedGraphs:
                                  non_blocking=True)
         if size > n:
             self.input_ids[n:size] = 0
-            self.positions[n:size].copy_(self.pad_positions[:size - n])
+            self.positions[n:size] = 0
             self.slot_mapping[n:size] = -1
         # Requests past the padding one are empty: no tokens, no keys.
         lens = np.zeros(self.max_reqs + 1, np.int32)

@@ -142,15 +142,16 @@ class ModelRunner(WeightControls):
 
     @property
     def serves_decode_graphs(self) -> bool:
-        """Whether decode steps replay CUDA graphs (worker/cuda_graphs.py): on a GPU, on the
-        triton backend, with one worker, for a model that reads nothing back in its forward
-        (not MoE), with one KV cache group, unless enforce_eager."""
+        """Whether steps replay CUDA graphs (worker/cuda_graphs.py: decodes; mixed_graphs.py:
+        steps with prefill chunks or drafts): on a GPU, on the triton backend, with one
+        worker, for a model that reads nothing back in its forward (not MoE), with one KV
+        cache group, unless enforce_eager."""
         return (self.on_device.captures_graphs and not self.config.enforce_eager
                 and self.attention.name == "triton" and self.model.capturable
                 and self.ctx.tp_size * self.ctx.pp_size == 1 and not self.kv_groups.is_hybrid)
 
     def capture_decode_graphs(self) -> None:
-        """Capture the decode graphs, where they serve (serves_decode_graphs)."""
+        """Capture the decode and mixed-step graphs, where they serve (serves_decode_graphs)."""
         self.graphs = None
         if not self.serves_decode_graphs:
             return
@@ -310,17 +311,20 @@ class ModelRunner(WeightControls):
         if self.long_rope_offset:
             rope_positions = positions + self.long_rope_offset * slots.long_rope[token_slot]
         graphs = self.graphs
+        # Graphs serve models with one KV cache group; their block tables go up only as far as
+        # the step's longest sequence reaches (the graphs' buffers are as wide as max_model_len).
+        block_table = (slots.block_table[0, idx, :-(-int(ends.max(initial=1)) // self.block_size)]
+                       if graphs is not None else None)
         if (graphs is not None and len(decodes) == len(idx)
                 and graphs.padded_size(len(idx)) is not None):
             # Every request decodes one token: a CUDA graph's step (worker/cuda_graphs.py).
-            block_table = slots.block_table[0, idx]   # graphs serve models with one group
             hidden = graphs.run(input_ids, rope_positions,
                                 self.attention.slots(q_lens, positions, block_table), ends,
                                 block_table, patch)
         elif (graphs is not None and graphs.mixed is not None
               and graphs.mixed.padded_size(total, len(idx)) is not None):
-            # Prefill chunks or drafts: a mixed step's graph (worker/mixed_graphs.py).
-            block_table = slots.block_table[0, idx]
+            # Prefill chunks or drafts, or more decodes than the decode graphs take: a mixed
+            # step's graph (worker/mixed_graphs.py).
             hidden = graphs.mixed.run(input_ids, rope_positions,
                                       self.attention.slots(q_lens, positions, block_table),
                                       q_lens, ends, block_table, patch)

@@ -31,7 +31,7 @@ class Worker:
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.ctx)
         self.memory_profile: MemoryProfile | None = None   # where the KV cache was profiled
-        self.graph_pool = 0   # what the decode graphs captured at start-up hold, so measured
+        self.graph_pool = 0   # what the CUDA graphs captured at start-up hold, so measured
         self.weight_receiver = WeightReceiver(config.weight_transfer, self.runner, self.ctx)
 
     def load_model(self) -> None:
@@ -52,7 +52,7 @@ class Worker:
         # The KV cache was sized with the graphs' pool as the profile measured it: say what the
         # capture for good takes, so that a difference shows in the log.
         self.graph_pool = measure_graph_capture(self.runner)
-        logger.info("decode CUDA graphs hold %.1f MiB (the profile counted %.1f MiB)",
+        logger.info("CUDA graphs hold %.1f MiB (the profile counted %.1f MiB)",
                     self.graph_pool / MiB, self.memory_profile.graph_pool / MiB)
 
     def release_kv_cache(self) -> None:

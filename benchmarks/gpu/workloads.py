@@ -161,14 +161,16 @@ def run_throughput(ns: argparse.Namespace, folder: str,
 
 
 def graph_memory(llm: LLM) -> dict[str, float] | None:
-    """The decode graphs' memory in MiB, as the KV sizing's profile counted it and as the
-    capture for good took it; None where the worker is in another process or the cache was
-    not sized by profiling."""
+    """The CUDA graphs' memory in MiB, as the KV sizing's profile counted it and as the
+    capture for good took it, and how long that capture took; None where the worker is in
+    another process or the cache was not sized by profiling."""
     worker = getattr(llm.engine.core.executor, "worker", None)
     profile = getattr(worker, "memory_profile", None)
     if profile is None:
         return None
-    return {"profiled": profile.graph_pool / 2 ** 20, "captured": worker.graph_pool / 2 ** 20}
+    graphs = worker.runner.graphs
+    return {"profiled": profile.graph_pool / 2 ** 20, "captured": worker.graph_pool / 2 ** 20,
+            "capture_s": graphs.capture_s if graphs is not None else 0.0}
 
 
 def worker_process(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
@@ -448,7 +450,8 @@ def main() -> int:
             summary = (f"{part['treadle_output_tok_s']:.0f} output tok/s, {part['requests']} requests; "
                        f"async scheduling {part['async_output_tok_s']:.0f}")
             if (pool := part.get("treadle_graph_pool_mib")) is not None:
-                summary += f"; graphs {pool['captured']:.0f} MiB ({pool['profiled']:.0f} profiled)"
+                summary += (f"; graphs {pool['captured']:.0f} MiB ({pool['profiled']:.0f} profiled), "
+                            f"captured in {pool['capture_s']:.1f}s")
         elif name == "serving":
             summary = "; ".join(f"{k}: TTFT p50 {v['ttft_median']:.1f} ms, TPOT p50 {v['tpot_median']:.2f} ms, "
                                 f"{v['output_tok_s']:.0f} tok/s" for k, v in part.items() if k != "part_s")

@@ -79,6 +79,7 @@ class DecodeGraphs:
         self.split_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # split-KV
         self.num_split_steps = 0   # of num_steps, those whose decodes took the split-KV path
         self.num_steps = 0   # decode steps served (replayed, or run eagerly on the buffers)
+        self.capture_s = 0.0   # how long capturing them all took
         self.mixed = (MixedGraphs(model, kv_caches, mixed_tokens, max_reqs, max_blocks, device)
                       if mixed_tokens > 0 else None)
         if capture:
@@ -176,10 +177,11 @@ class DecodeGraphs:
                 self.split_graphs[size] = self._capture(partial(self._forward, size, splits),
                                                         pool, side)
         torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - start
         logger.info("captured %d decode CUDA graphs (batch 1..%d; %d more split-KV) and %d of "
                     "mixed steps (up to %d tokens) in %.1fs", len(self.graphs), self.max_batch,
                     len(self.split_graphs), len(self.mixed.graphs) if self.mixed else 0,
-                    self.mixed.max_tokens if self.mixed else 0, time.perf_counter() - start)
+                    self.mixed.max_tokens if self.mixed else 0, self.capture_s)
 
     def _capture(self, forward: Callable[[], torch.Tensor], pool, side: torch.cuda.Stream
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -209,7 +209,11 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, changed: list[SampleState]) -> RequestOutput | None:
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY:
-            return self._build(state, state.samples, delta=False) if state.finished else None
+            # Finished now only if one of the samples that changed just finished (a finished
+            # request's outputs never reach here again): one test for most steps, not n.
+            if not any(s.finished for s in changed) or not state.finished:
+                return None
+            return self._build(state, state.samples, delta=False)
         if kind == RequestOutputKind.DELTA:
             return self._build(state, changed, delta=True)
         return self._build(state, state.samples, delta=False)

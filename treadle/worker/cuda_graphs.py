@@ -131,22 +131,19 @@ class DecodeGraphs:
     # -- inside ------------------------------------------------------------------------------
     def _fill(self, n: int, size: int, input_ids: np.ndarray, positions: np.ndarray,
               slot_mapping: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> None:
-        """Copy the step into the buffers' first n rows, and reset rows n..size to padding."""
+        """Copy the step into the buffers' first n rows and padding into rows n..size, the
+        padding made on the host: a copy a buffer, and no fill launched on the device."""
         width = min(block_table.shape[1], self.block_table.shape[1])
-        for buffer, values in ((self.input_ids, input_ids), (self.positions, positions),
-                               (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
-            buffer[:n].copy_(host_tensor(values.astype(np.int64 if buffer.dtype == torch.int64
-                                                       else np.int32), self.device),
-                             non_blocking=True)
-        self.block_table[:n, :width].copy_(
-            host_tensor(np.ascontiguousarray(block_table[:, :width], dtype=np.int32), self.device),
-            non_blocking=True)
-        if size > n:
-            self.input_ids[n:size] = 0
-            self.positions[n:size] = 0
-            self.slot_mapping[n:size] = -1
-            self.seq_lens[n:size] = 1
-            self.block_table[n:size] = 0
+        for buffer, values, pad in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
+                                    (self.slot_mapping, slot_mapping, -1),
+                                    (self.seq_lens, seq_lens, 1)):
+            host = np.full(size, pad, np.int64 if buffer.dtype == torch.int64 else np.int32)
+            host[:n] = values
+            buffer[:size].copy_(host_tensor(host, self.device), non_blocking=True)
+        # A padding row reads one key, through its first entry: the null block.
+        table = np.zeros((size, width), np.int32)
+        table[:n] = block_table[:, :width]
+        self.block_table[:size, :width].copy_(host_tensor(table, self.device), non_blocking=True)
 
     def _metadata(self, size: int, splits: int) -> TritonMetadata:
         min_tokens = self.backend.split_min_tokens if self.backend is not None else 1

@@ -111,16 +111,11 @@ class MixedGraphs:
         """Copy the step into the buffers, and make tokens num_tokens..size the padding
         request's (see the module's docstring)."""
         n, r = len(input_ids), len(query_lens)
-        for buffer, values in ((self.input_ids, input_ids), (self.positions, positions),
-                               (self.slot_mapping, slot_mapping)):
-            if n:
-                buffer[:n].copy_(host_tensor(values.astype(np.int64 if buffer.dtype == torch.int64
-                                                           else np.int32), self.device),
-                                 non_blocking=True)
-        if size > n:
-            self.input_ids[n:size] = 0
-            self.positions[n:size] = 0
-            self.slot_mapping[n:size] = -1
+        for buffer, values, pad in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
+                                    (self.slot_mapping, slot_mapping, -1)):
+            host = np.full(size, pad, np.int64 if buffer.dtype == torch.int64 else np.int32)
+            host[:n] = values
+            buffer[:size].copy_(host_tensor(host, self.device), non_blocking=True)
         # Requests past the padding one are empty: no tokens, no keys.
         lens = np.zeros(self.max_reqs + 1, np.int32)
         lens[:r] = seq_lens

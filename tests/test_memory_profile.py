@@ -96,7 +96,7 @@ def test_the_profile_step_runs_the_real_model_and_leaves_the_runner_as_it_was(ll
 @pytest.mark.gpu
 def test_on_a_gpu_the_kv_cache_takes_what_the_share_leaves(llama, caplog):
     free, total = torch.cuda.mem_get_info()
-    with caplog.at_level(logging.INFO, logger="treadle.worker.memory_profile"):
+    with caplog.at_level(logging.INFO, logger="treadle"):   # the profile's and the worker's
         with LLM(llama, device="cuda", dtype="float32", gpu_memory_utilization=0.5) as llm:
             assert llm.engine.core.executor.worker.runner.attention.name == "triton"   # the default
             blocks = llm.engine.core.executor.num_blocks

@@ -48,6 +48,21 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+_warmup_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every capture's warm-up runs on, for the whole process: torch hands out
+    its streams in turn from a pool of 32, and cuBLAS keeps a workspace for each stream it runs
+    on, for good (32 MiB on an H100); a new stream per capture would add one each time the
+    graphs are captured again (the profile's capture, then for good, then after each
+    wake_up), uncounted by the KV sizing."""
+    device = torch.device(device)
+    if device not in _warmup_streams:
+        _warmup_streams[device] = torch.cuda.Stream(device)
+    return _warmup_streams[device]
+
+
 def tensor_addresses(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
     """Where every tensor a graph reads lives: the graphs stay valid while this is unchanged."""
     tensors = [*model.parameters(), *model.buffers(), *kv_caches]
@@ -159,9 +174,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        # One stream for every warm-up: each new stream would get a cuBLAS workspace of its
-        # own, kept for good (32 MiB on an H100).
-        side = torch.cuda.Stream(self.device)
+        side = warmup_stream(self.device)
         # The largest first, mixed steps' before decodes': the pool fits all.
         for size in sorted(self.mixed.sizes if self.mixed is not None else [], reverse=True):
             self.mixed.fill_padding(size)

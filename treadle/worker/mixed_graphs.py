@@ -57,7 +57,10 @@ class MixedGraphs:
         # One row more than max_reqs: the padding tokens' request.
         self.seq_lens = torch.zeros(max_reqs + 1, **as_int)
         self.query_start = torch.zeros(max_reqs + 2, **as_int)
-        self.block_table = torch.zeros(max_reqs + 1, max_blocks, **as_int)
+        # Wide enough for the padding request too, whose chunk may reach further than a
+        # request of max_model_len (all of a graph's tokens, at capture).
+        reach = -(-self.max_tokens // kv_caches[0].shape[2]) if kv_caches else 0
+        self.block_table = torch.zeros(max_reqs + 1, max(max_blocks, reach), **as_int)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_steps = 0   # mixed steps served (replayed, or run eagerly on the buffers)
         self.num_replays = 0   # of them, those that replayed a graph

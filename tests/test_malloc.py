@@ -147,6 +147,9 @@ def test_a_step_on_another_thread_takes_no_page_faults(engine):
     wave takes almost no page faults. The control once run here, the thresholds alone through
     GLIBC_TUNABLES, gave the engine thread an arena of its own whose heaps were faulted in again
     in every wave on the Zen 5 (73,744-86,030 a wave), but not on the AMX Xeon ([6198, 1, 1, 1]
-    on Nov 28): a machine's fact, not treadle's, so it is no longer asserted."""
+    on Nov 28): a machine's fact, not treadle's, so it is no longer asserted. A later wave is
+    held to a fifth of the first: faults from elsewhere came to 1,152-3,330 a wave in a suite
+    run in two workers ([21836, 3330, 2304, 1152], Nov 30), where a heap faulted in again takes
+    about the first wave's."""
     waves = _wave_faults(engine, {})
-    assert waves[0] > 1_000 and min(waves[1:]) < 1_000, waves
+    assert waves[0] > 1_000 and min(waves[1:]) < waves[0] // 5, waves

@@ -8,8 +8,11 @@ mkdir -p "$OUT"
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 "$PY" -c "import torch; print(torch.cuda.get_device_name(0), 'torch', torch.__version__)" | tee "$OUT/device.txt"
 status=0
+# ONLY="memory_profile workloads" runs those parts alone (a rerun in the device time left);
+# WORKLOAD_PARTS="latency,throughput" narrows workloads.py to those of its parts.
 run() {   # run NAME CMD...: its output to $OUT/NAME.log, a line in the summary
     local name=$1; shift
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     local start=$SECONDS
     "$@" > "$OUT/$name.log" 2>&1; local rc=$?
     [ $rc -ne 0 ] && status=1
@@ -44,7 +47,7 @@ run memory_profile timeout 45 "$PY" -m pytest -q -rfE -m gpu tests/test_memory_p
 # transformers' throughput): $OUT/workloads.json. On the triton backend: its kernels, fused ops
 # and decode CUDA graphs are the GPU engine.
 run workloads timeout 240 "$PY" benchmarks/gpu/workloads.py --out "$OUT" \
-    --engine '{"attention_backend": "triton"}'
+    --engine '{"attention_backend": "triton"}' ${WORKLOAD_PARTS:+--parts "$WORKLOAD_PARTS"}
 # Issue 45's choice for the norms, SiLU-and-mul and RoPE: eager, torch.compile or Triton, timed;
 # $OUT/fused_ops.json. torch.compile stops starting at 8 s, so the times so far are written.
 run fused_ops timeout 20 "$PY" benchmarks/gpu/fused_ops.py --budget-s 8 --out "$OUT"

@@ -62,21 +62,28 @@ def record_waits(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, 
     return waits
 
 
+def record_deferred(runner) -> list[bool]:
+    """Wrap the runner's execute_model, deferral left as it is; returns the list that gets, for
+    each step, whether it was deferred (booleans: a step's output is not kept alive)."""
+    deferred: list[bool] = []
+    execute = runner.execute_model
+
+    def recorded(so):
+        out = execute(so)
+        deferred.append(isinstance(out, DeferredStep))
+        return out
+
+    runner.execute_model = recorded
+    return deferred
+
+
 def defer_and_count(worker) -> bool:
     """Given to collective_rpc (a worker process's runner, executor/mp.py): the runner defers
     its steps, as on a GPU, and the worker counts the steps it deferred (`worker_num_deferred`)."""
-    runner, worker.num_deferred = worker.runner, 0
-    execute = runner.execute_model
-
-    def counted(so):
-        out = execute(so)
-        worker.num_deferred += isinstance(out, DeferredStep)
-        return out
-
-    runner.execute_model = counted
-    return runner.allow_deferred_steps()
+    worker.deferred = record_deferred(worker.runner)
+    return worker.runner.allow_deferred_steps()
 
 
 def worker_num_deferred(worker) -> int:
     """Given to collective_rpc after `defer_and_count`: the steps the worker deferred."""
-    return worker.num_deferred
+    return sum(worker.deferred)

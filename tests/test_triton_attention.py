@@ -120,10 +120,10 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
     would replay it (worker/cuda_graphs.py, mixed_graphs.py). `deferred`: async scheduling,
     steps deferred (on the CPU by leave: worker/deferred_step.py), and no drafts (a step that
     proposes drafts is never deferred)."""
+    from tests.deferred import record_deferred
     from treadle import LLM, SamplingParams
     from treadle.attention import triton_kv_write
     from treadle.worker.cuda_graphs import DecodeGraphs
-    from treadle.worker.deferred_step import DeferredStep
 
     # Closed at the end: on a GPU the next engine in this process sizes its cache against what
     # this one leaves free.
@@ -144,14 +144,7 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
                                          max_reqs=runner.config.scheduler.max_num_seqs)
             if deferred:
                 runner.allow_deferred_steps()
-        execute, num_deferred = runner.execute_model, []
-
-        def counted(so):
-            out = execute(so)
-            num_deferred.append(isinstance(out, DeferredStep))
-            return out
-
-        runner.execute_model = counted
+        deferred_of_step = record_deferred(runner)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         hit = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)[0]
@@ -161,7 +154,7 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
                 "cached": hit.num_cached_tokens,
                 "drafts": llm.engine.core.scheduler.spec_stats.num_draft_tokens,
                 "backend_kv_writes": backend_write.call_count,
-                "steps": len(num_deferred), "deferred_steps": sum(num_deferred),
+                "steps": len(deferred_of_step), "deferred_steps": sum(deferred_of_step),
                 "decode_graph_steps": graphs.num_steps if graphs is not None else 0,
                 **{f"mixed_{name}": (getattr(graphs.mixed, f"num_{name}")
                                      if graphs is not None and graphs.mixed is not None else 0)
@@ -180,9 +173,9 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
     (at most 71 tokens here) in one step, as the default 2,048 did, and spares the CPU warming
     the untied head's GEMMs (49,152 rows) up to 2,048 rows at start-up. `split_min_tokens`:
     the backend's, so low that decodes take the split-KV path, in graphs of their own."""
+    from tests.deferred import record_deferred
     from treadle import LLM, SamplingParams
     from treadle.worker.cuda_graphs import DecodeGraphs
-    from treadle.worker.deferred_step import DeferredStep
 
     with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
              block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=128,
@@ -199,14 +192,7 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
             if deferred:
                 runner.allow_deferred_steps()
         assert runner.defer_steps == deferred
-        execute, num_deferred = runner.execute_model, []
-
-        def counted(so):
-            out = execute(so)
-            num_deferred.append(isinstance(out, DeferredStep))
-            return out
-
-        runner.execute_model = counted
+        deferred_of_step = record_deferred(runner)
         graphs = runner.graphs
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -216,7 +202,7 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
                 "alone": [o.outputs[0].token_ids for o in alone],
                 "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs),
                 "split_steps": graphs.num_split_steps, "captured_split": sorted(graphs.split_graphs),
-                "deferred_steps": sum(num_deferred)}
+                "deferred_steps": sum(deferred_of_step)}
 
 
 def run_connector_arrivals(path: str, store: str, stale: list[list[int]],

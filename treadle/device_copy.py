@@ -28,6 +28,14 @@ def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory() if device.type == "cuda" else host
 
 
+def copy_padded(buffer: torch.Tensor, values: np.ndarray, size: int, pad: int) -> None:
+    """buffer[:size] = values, then `pad` after them, in one copy from pinned memory (the
+    padding made on the host, where a fill would be a launch of its own on the device)."""
+    host = np.full(size, pad, dtype=np.int64 if buffer.dtype == torch.int64 else np.int32)
+    host[:len(values)] = values
+    buffer[:size].copy_(host_tensor(host, buffer.device), non_blocking=True)
+
+
 def to_device(values: np.ndarray | Sequence, device: torch.device,
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (an array or a list, as `torch.as_tensor` takes them) on `device`, queued

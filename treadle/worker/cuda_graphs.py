@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from treadle.attention.triton_backend import TritonBackend, TritonMetadata
-from treadle.device_copy import host_tensor, to_device
+from treadle.device_copy import copy_padded, host_tensor, to_device
 from treadle.worker.mixed_graphs import MixedGraphs
 
 logger = logging.getLogger(__name__)
@@ -152,9 +152,7 @@ class DecodeGraphs:
         for buffer, values, pad in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
                                     (self.slot_mapping, slot_mapping, -1),
                                     (self.seq_lens, seq_lens, 1)):
-            host = np.full(size, pad, np.int64 if buffer.dtype == torch.int64 else np.int32)
-            host[:n] = values
-            buffer[:size].copy_(host_tensor(host, self.device), non_blocking=True)
+            copy_padded(buffer, values, size, pad)
         # A padding row reads one key, through its first entry: the null block.
         table = np.zeros((size, width), np.int32)
         table[:n] = block_table[:, :width]

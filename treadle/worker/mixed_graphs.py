@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from treadle.attention.triton_backend import TritonMetadata
-from treadle.device_copy import host_tensor, to_device
+from treadle.device_copy import copy_padded, host_tensor, to_device
 
 # Steps of more tokens run eagerly: their compute dwarfs the launches, and a graph's pool
 # would hold their activations for good.
@@ -116,9 +116,7 @@ class MixedGraphs:
         n, r = len(input_ids), len(query_lens)
         for buffer, values, pad in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
                                     (self.slot_mapping, slot_mapping, -1)):
-            host = np.full(size, pad, np.int64 if buffer.dtype == torch.int64 else np.int32)
-            host[:n] = values
-            buffer[:size].copy_(host_tensor(host, self.device), non_blocking=True)
+            copy_padded(buffer, values, size, pad)
         # Requests past the padding one are empty: no tokens, no keys.
         lens = np.zeros(self.max_reqs + 1, np.int32)
         lens[:r] = seq_lens

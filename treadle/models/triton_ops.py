@@ -379,21 +379,23 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     half_pad = triton.next_power_of_2(half)
     q_pad, k_pad = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
     per_program, warps = _tile(max(q_pad, k_pad) * half_pad)
+    kv_ptrs, kv_strides, block_size = _kv_launch(write_kv, k, q)
     _rope_kernel[(triton.cdiv(num_tokens, per_program),)](
-        q, k, cos, sin, *_kv_args(write_kv, k, q), q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), cos.stride(0), sin.stride(0), *_kv_strides(write_kv), num_tokens,
-        q.shape[1], k.shape[1], HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=q_pad,
-        K_HEADS_PAD=k_pad, TOKENS=per_program, IN_BITS=_ROUND_IN_BITS,
-        WRITE_KV=write_kv is not None, BLOCK_SIZE=_kv_block_size(write_kv),
+        q, k, cos, sin, *kv_ptrs, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), sin.stride(0), *kv_strides, num_tokens, q.shape[1], k.shape[1],
+        HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad, TOKENS=per_program,
+        IN_BITS=_ROUND_IN_BITS, WRITE_KV=write_kv is not None, BLOCK_SIZE=block_size,
         num_warps=warps, **_LAUNCH)
 
 
-def _kv_args(write_kv: tuple[torch.Tensor, KVTarget] | None, k: torch.Tensor,
-             anything: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernels' v, k_cache, v_cache and slot pointers; where nothing is written, any
-    tensor stands in for them (never read). Checks what is written against k."""
+def _kv_launch(write_kv: tuple[torch.Tensor, KVTarget] | None, k: torch.Tensor,
+               stand_in: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], int]:
+    """The kernels' K/V-write arguments, checked against k: the v, k_cache, v_cache and slot
+    pointers; v's token and head strides and the cache's block, position and head strides;
+    the cache's block size. Where nothing is written, `stand_in` takes the pointers' place
+    (never read)."""
     if write_kv is None:
-        return anything, anything, anything, anything
+        return (stand_in,) * 4, (0,) * 5, 1
     v, (k_cache, v_cache, slot_mapping) = write_kv
     if (v.shape != k.shape or v.stride(-1) != 1 or k_cache.shape != v_cache.shape
             or k_cache.stride() != v_cache.stride() or k_cache.shape[2:] != k.shape[1:]
@@ -403,19 +405,8 @@ def _kv_args(write_kv: tuple[torch.Tensor, KVTarget] | None, k: torch.Tensor,
                          f"with a slot per token: v {tuple(v.shape)}, caches "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, "
                          f"{slot_mapping.shape[0]} slots")
-    return v, k_cache, v_cache, slot_mapping
-
-
-def _kv_strides(write_kv: tuple[torch.Tensor, KVTarget] | None) -> tuple[int, ...]:
-    """v's token and head strides, and the cache's block, position and head strides."""
-    if write_kv is None:
-        return 0, 0, 0, 0, 0
-    v, (k_cache, _, _) = write_kv
-    return v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
-
-
-def _kv_block_size(write_kv: tuple[torch.Tensor, KVTarget] | None) -> int:
-    return 1 if write_kv is None else write_kv[1].k_cache.shape[1]
+    strides = (v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    return (v, k_cache, v_cache, slot_mapping), strides, k_cache.shape[1]
 
 
 def fuses_qk_norm_rope(head_dim: int, rotary_dim: int) -> bool:
@@ -451,11 +442,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
     q_pad, k_pad = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
     per_program, warps = _tile(max(q_pad, k_pad) * head_dim)
+    kv_ptrs, kv_strides, block_size = _kv_launch(write_kv, k, q)
     _qk_norm_rope_kernel[(triton.cdiv(num_tokens, per_program),)](
-        q, k, q_out, k_out, q_weight, k_weight, cos, sin, *_kv_args(write_kv, k, q),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        *_kv_strides(write_kv), num_tokens, q.shape[1], k.shape[1], eps, HALF=head_dim // 2,
-        Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad, TOKENS=per_program, IN_BITS=_ROUND_IN_BITS,
-        WRITE_KV=write_kv is not None, BLOCK_SIZE=_kv_block_size(write_kv), num_warps=warps,
-        **_LAUNCH)
+        q, k, q_out, k_out, q_weight, k_weight, cos, sin, *kv_ptrs, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), *kv_strides, num_tokens,
+        q.shape[1], k.shape[1], eps, HALF=head_dim // 2, Q_HEADS_PAD=q_pad, K_HEADS_PAD=k_pad,
+        TOKENS=per_program, IN_BITS=_ROUND_IN_BITS, WRITE_KV=write_kv is not None,
+        BLOCK_SIZE=block_size, num_warps=warps, **_LAUNCH)
     return q_out, k_out

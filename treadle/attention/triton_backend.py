@@ -53,17 +53,22 @@ class TritonMetadata(AttentionMetadata):
 
         _check_layer(layer)
         write_kv(k, v, kv_cache[0], kv_cache[1], self.slot_mapping)
-        return self.attend_written(layer, q, kv_cache)
+        return self._attend(layer, q, kv_cache)
 
     def kv_target(self, layer: PagedAttention, kv_cache: torch.Tensor) -> KVTarget:
         return KVTarget(kv_cache[0], kv_cache[1], self.slot_mapping)
 
     def attend_written(self, layer: PagedAttention, q: torch.Tensor,
                        kv_cache: torch.Tensor) -> torch.Tensor:
+        _check_layer(layer)
+        return self._attend(layer, q, kv_cache)
+
+    def _attend(self, layer: PagedAttention, q: torch.Tensor,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Attention over the cache, the step's K/V in it, the layer checked."""
         from treadle.attention.triton_decode import split_kv_decode
         from treadle.attention.triton_unified import unified_attention
 
-        _check_layer(layer)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = self.num_decodes

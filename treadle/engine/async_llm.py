@@ -24,6 +24,7 @@ from treadle.engine.core_thread import EngineCoreThread
 from treadle.engine.errors import EngineBusyError, EngineDeadError
 from treadle.engine.input_processor import InputProcessor, PromptType
 from treadle.engine.output_processor import OutputProcessor
+from treadle.engine.output_stream import OutputStream
 from treadle.engine.status import engine_status
 from treadle.engine.weight_transfer import update_info_of
 from treadle.metrics import PrometheusMetrics
@@ -52,7 +53,7 @@ class AsyncLLM:
         # one thread, so requests still reach the engine in the order they came.
         self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="treadle-tokenize")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._pause_mode: PauseMode | None = None
         self._pause_lock: asyncio.Lock | None = None
         self._dead: BaseException | None = None
@@ -80,6 +81,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `RequestOutput`s for one prompt (cumulative unless output_kind is delta).
+        Outputs that arrive while the caller is busy come as one (engine/output_stream.py).
 
         Leaving the generator early (a cancelled task, a closed stream) aborts the request.
         """
@@ -100,7 +102,7 @@ class AsyncLLM:
                 self._abort_now(request_id)
 
     async def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                           priority: int, cache_salt: str | None) -> asyncio.Queue:
+                           priority: int, cache_salt: str | None) -> OutputStream:
         self._bind_loop()
         self._check_new_request(request_id)
         if self.input_processor.needs_tokenizer(prompt):
@@ -112,7 +114,7 @@ class AsyncLLM:
         text, ids = self.input_processor.truncate(text, ids, params)
         requests = self.input_processor.make_requests(request_id, ids, params, priority, cache_salt,
                                                       prompt_text=text)
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = OutputStream(params.output_kind)
         self._streams[request_id] = stream
         self.output_processor.add_request(request_id, text, ids, params,
                                           [r.request_id for r in requests])
@@ -149,7 +151,7 @@ class AsyncLLM:
         final, engine_ids = self.output_processor.abort_request(request_id)
         stream = self._streams.get(request_id)
         if final is not None and stream is not None:
-            stream.put_nowait(final)
+            stream.put(final)
         return self._core.submit(self.core.abort_requests, engine_ids) if engine_ids else None
 
     # -- outputs from the engine thread --------------------------------------------------
@@ -171,7 +173,7 @@ class AsyncLLM:
         for out in ready:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put(out)
 
     def _error_from_thread(self, exc: BaseException) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -182,7 +184,7 @@ class AsyncLLM:
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc
         for stream in self._streams.values():
-            stream.put_nowait(EngineDeadError(f"the engine core failed: {exc!r}"))
+            stream.put(EngineDeadError(f"the engine core failed: {exc!r}"))
 
     async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run a core method on the engine thread, between steps."""

@@ -44,6 +44,7 @@ class PromptStreams:
             engine.generate(p, params, f"{request_id}-{i}", priority=priority, cache_salt=cache_salt)
             for i, p in enumerate(prompts)]
         self._pending: dict[asyncio.Future, int] = {}
+        self._open_alone = False   # a lone prompt's generator has more to give
 
     async def start(self) -> list[RequestOutput]:
         """The first output of every prompt, in prompt order; later ones come from iterating."""
@@ -62,10 +63,18 @@ class PromptStreams:
     def _schedule_next(self, i: int, out: RequestOutput) -> None:
         # After its final output a generator is left at its last yield; aclose() ends it.
         if not out.finished:
-            self._pending[asyncio.ensure_future(anext(self._gens[i]))] = i
+            if len(self._gens) == 1:
+                self._open_alone = True   # iterated directly, with no task per output
+            else:
+                self._pending[asyncio.ensure_future(anext(self._gens[i]))] = i
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as outputs arrive, after those `start()` returned."""
+        while self._open_alone:
+            # Cancelled here (a disconnect), the generator sees it and aborts its request.
+            out = await anext(self._gens[0])
+            self._open_alone = not out.finished
+            yield 0, out
         while self._pending:
             done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
             for task in sorted(done, key=self._pending.__getitem__):
@@ -78,9 +87,10 @@ class PromptStreams:
         """Abort whatever has not finished. Safe to call more than once."""
         tasks = list(self._pending)
         self._pending.clear()
-        if tasks:
+        if tasks or self._open_alone:
             logger.log(self._log_level, "request %s: aborting %d unfinished prompt(s)",
-                       self.request_id, len(tasks))
+                       self.request_id, len(tasks) or 1)
+        self._open_alone = False
         for task in tasks:
             task.cancel()   # the generator sees the cancellation and aborts its request
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -133,6 +133,42 @@ def test_property_with_special_tokens(tok, ordinary_ids, data, skip):
     assert "".join(deltas) == full_decode(tok, ids, skip_special_tokens=skip)
 
 
+@PROPERTY
+@given(data=st.data(), skip=st.booleans(), eos=st.booleans(), include=st.booleans())
+def test_property_final_only_decodes_at_the_end_to_the_same_text(tok, ordinary_ids, data, skip,
+                                                                 eos, include):
+    """A final-only output with no stop strings decodes once, at the end: the same text and ids
+    as decoding step by step, half characters, special tokens and a stop token included."""
+    token = st.one_of(st.sampled_from(ordinary_ids), st.integers(0, 16))
+    ids = data.draw(st.lists(token, min_size=1, max_size=24), label="ids")
+    prompt = data.draw(st.lists(token, max_size=6), label="prompt")
+    if eos:
+        ids.append(tok.eos_token_id)
+    chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)), label="chunks")
+    params = dict(skip_special_tokens=skip, include_stop_str_in_output=include)
+    texts = []
+    for kind in ("cumulative", "final_only"):
+        detok = IncrementalDetokenizer(tok, prompt, SamplingParams(output_kind=kind, **params))
+        assert detok._at_end == (kind == "final_only")
+        pos = 0
+        for size in chunks:
+            new = ids[pos:pos + size]
+            pos += size
+            if new:
+                detok.update(new, stop_terminated=eos and pos >= len(ids))
+        texts.append((detok.get_next_output_text(finished=True, delta=False), detok.token_ids))
+    assert texts[0] == texts[1]
+    assert texts[1][1] == ids
+
+
+def test_final_only_with_stop_strings_still_looks_for_them(tok):
+    params = SamplingParams(output_kind="final_only", stop=["fox"])
+    detok = IncrementalDetokenizer(tok, [], params)
+    assert not detok._at_end
+    assert detok.update(tok.encode(TEXTS[0]), stop_terminated=False) == "fox"
+    assert detok.get_next_output_text(finished=True, delta=False) == "The quick brown "
+
+
 # -- stop tokens --------------------------------------------------------------------------------
 def test_stop_terminated_leaves_out_eos_text(tok):
     ids = tok.encode("Hi there") + [tok.eos_token_id]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from treadle.sampling_params import SamplingParams
+from treadle.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ class IncrementalDetokenizer:
         self._stop = list(params.stop or [])
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._window = self._prompt_context(prompt_token_ids)
+        # Text only at the end (a final-only output with no stop strings to look for): the ids
+        # wait in the window and the end decodes them at once, where each step decoded twice.
+        # The text is the same: it is the output's full decode either way (the module doc).
+        self._at_end = params.output_kind == RequestOutputKind.FINAL_ONLY and not self._stop
         self._prefix_offset = 0
         self._read_offset = len(self._window)
         self._text = ""
@@ -72,7 +76,8 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """All text so far (after any stop-string truncation), not counting pending text."""
+        """All text so far (after any stop-string truncation), not counting pending text (a
+        final-only output with no stop strings holds all of it pending until it finishes)."""
         return self._text
 
     @property
@@ -113,6 +118,11 @@ class IncrementalDetokenizer:
         """
         if self._stop_matched is not None:
             raise RuntimeError(f"update() after stop string {self._stop_matched!r} ended the output")
+        if self._at_end:
+            self.token_ids += new_token_ids
+            drop_last = stop_terminated and not self.params.include_stop_str_in_output
+            self._window += new_token_ids[:-1] if drop_last else new_token_ids
+            return None
         last = len(new_token_ids) - 1
         for i, token_id in enumerate(new_token_ids):
             self.token_ids.append(token_id)

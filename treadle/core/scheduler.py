@@ -391,62 +391,79 @@ class Scheduler:
             if (request := self.sending.pop(rid, None)) is not None:
                 self.kv_cache.free(request)
         sampled_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
+        # Looked up once: this loop runs for every request in the step (256 and more).
+        in_flight_of, spec_of = sched_out.num_in_flight_tokens, sched_out.scheduled_spec_decode_tokens
+        prompt_lps_of, errors_of = runner_out.prompt_logprobs, runner_out.request_errors
+        logprobs_of, drafts_of = runner_out.logprobs, runner_out.draft_token_ids
+        requests, running = self.requests, RequestStatus.RUNNING
+        finished: list[tuple[Request, EngineCoreOutput]] = []
         for rid in sched_out.num_scheduled_tokens:
             sampled = sampled_of.get(rid)
-            num_in_flight = sched_out.num_in_flight_tokens.get(rid, 0)
+            num_in_flight = in_flight_of.get(rid, 0)
             if sampled is None or (num_in_flight and not sampled) or len(sampled) > num_in_flight:
                 # Accepting it would leave the request's computed count past its known tokens,
                 # and the request would never be scheduled again: fail loudly instead.
                 raise RuntimeError(
                     f"request {rid} was scheduled to sample {num_in_flight} token(s), but the "
                     f"model runner returned {'no entry' if sampled is None else len(sampled)}")
-            if self._drop_output_of_finished(rid):
+            if self._finished_in_flight and self._drop_output_of_finished(rid):
                 continue  # finished or aborted while the step ran (the id may be reused since)
-            request = self.requests[rid]
+            request = requests[rid]
             request.num_in_flight_steps -= 1
             if request.num_stale_output_tokens and num_in_flight:
                 # Scheduled before a preemption or reset: FIFO order makes it the stale output.
                 assert request.num_stale_output_tokens >= num_in_flight
                 request.num_stale_output_tokens -= num_in_flight
                 continue
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running:
                 continue  # a non-final chunk of a request preempted meanwhile
             request.num_output_placeholders -= num_in_flight
-            num_drafts = len(sched_out.scheduled_spec_decode_tokens.get(rid, ()))
+            num_drafts = len(spec_of[rid]) if rid in spec_of else 0
             request.num_in_flight_drafts -= num_drafts
             if sampled:
                 # Rejected drafts were computed but are not part of the sequence.
                 request.num_computed_tokens -= num_in_flight - len(sampled)
                 if num_drafts:
                     self.spec_stats.observe(num_drafts, len(sampled) - 1)
-            prompt_lps = runner_out.prompt_logprobs.get(rid)
-            if rid in runner_out.request_errors:   # it ends here, without this step's tokens
+            prompt_lps = prompt_lps_of.get(rid) if prompt_lps_of else None
+            if errors_of and rid in errors_of:   # it ends here, without this step's tokens
                 request.status = RequestStatus.FINISHED_ERROR
-                request.stop_reason = runner_out.request_errors[rid]
+                request.stop_reason = errors_of[rid]
                 sampled = []
             elif not sampled and prompt_lps is None:
                 continue  # a prefill chunk that is not the last one produces nothing
-            new_ids: list[int] = []
-            for tok in sampled:
-                request.append_output_token_ids([tok])
-                new_ids.append(tok)
-                if self._check_stop(request):
-                    break
-            lps = runner_out.logprobs.get(rid)
+            if len(sampled) == 1:
+                request.append_output_token_ids(sampled)
+                new_ids = sampled
+                self._check_stop(request)
+            else:
+                new_ids = []
+                for tok in sampled:
+                    request.append_output_token_ids([tok])
+                    new_ids.append(tok)
+                    if self._check_stop(request):
+                        break
+            lps = logprobs_of.get(rid) if logprobs_of else None
             out = EngineCoreOutput(
                 request_id=rid, new_token_ids=new_ids,
                 new_logprobs=lps[:len(new_ids)] if lps is not None else None,
                 new_prompt_logprobs=prompt_lps,
                 num_cached_tokens=max(request.num_cached_tokens, 0), queue_time=request.queue_time)
-            if request.is_finished:
+            if request.status.is_finished:
                 out.finish_reason = request.status.finish_reason
                 out.stop_reason = request.stop_reason
-                self.running.remove(request)
-                self._free(request)
-                out.kv_transfer_params = request.kv_transfer_params
-            elif rid in runner_out.draft_token_ids:
-                request.spec_token_ids = list(runner_out.draft_token_ids[rid])
+                finished.append((request, out))
+            elif rid in drafts_of:
+                request.spec_token_ids = list(drafts_of[rid])
             outputs.append(out)
+        if finished:
+            # At once: removing each from the running list on its own is quadratic when many
+            # finish in one step.
+            gone = {id(request) for request, _ in finished}
+            self.running[:] = [r for r in self.running if id(r) not in gone]
+            for request, out in finished:
+                self._free(request)
+                out.kv_transfer_params = request.kv_transfer_params   # the connector's, once freed
         return outputs
 
     def _check_stop(self, request: Request) -> bool:

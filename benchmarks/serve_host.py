@@ -6,8 +6,9 @@ server's tokens per second at high concurrency (docs/performance.md, "On a GPU")
 
     python benchmarks/serve_host.py [--concurrency 64] [--output-len 256] [--rounds 1]
 
-Linux only (/proc/PID/task). Prints, per round, output tokens/s, ITL p50/p99 and the main
-thread's and the whole server's CPU microseconds per output token.
+Linux only (/proc/PID/task). Prints, per round, output tokens/s, TPOT and ITL p50/p99 (ITL
+is between events, and a server that lags sends several tokens in one) and the main thread's
+and the whole server's CPU microseconds per output token.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def one_round(path: str, ns: argparse.Namespace) -> dict[str, float]:
     summary = summarize(done, seconds)
     tokens = summary["output_tokens"]
     assert summary["errors"] == 0, summary
-    return {"output_tok_s": summary["output_throughput"], "itl_p50_ms": summary["itl"]["median_ms"],
+    return {"output_tok_s": summary["output_throughput"], "tpot_p50_ms": summary["tpot"]["median_ms"],
+            "tpot_p99_ms": summary["tpot"]["p99_ms"], "itl_p50_ms": summary["itl"]["median_ms"],
             "itl_p99_ms": summary["itl"]["p99_ms"], "main_us_per_token": (main1 - main0) / tokens * 1e6,
             "server_us_per_token": (whole1 - whole0) / tokens * 1e6}
 
@@ -77,7 +79,8 @@ def main() -> None:
         path = build_model("Qwen3", dict(TINY, vocab_size=2048), folder, torch.float32)
         for i in range(ns.rounds):
             r = one_round(path, ns)
-            print(f"round {i + 1}: {r['output_tok_s']:.0f} output tok/s, ITL p50/p99 "
+            print(f"round {i + 1}: {r['output_tok_s']:.0f} output tok/s, TPOT p50/p99 "
+                  f"{r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms, ITL p50/p99 "
                   f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms; CPU per output token: main "
                   f"thread {r['main_us_per_token']:.1f} us, whole server {r['server_us_per_token']:.1f} us",
                   flush=True)

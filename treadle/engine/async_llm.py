@@ -27,6 +27,7 @@ from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.output_stream import OutputStream
 from treadle.engine.status import engine_status
 from treadle.engine.weight_transfer import update_info_of
+from treadle.engine.weights import ServedWeights
 from treadle.metrics import PrometheusMetrics
 from treadle.models.loader import load_tokenizer
 from treadle.outputs import RequestOutput
@@ -57,6 +58,7 @@ class AsyncLLM:
         self._pause_mode: PauseMode | None = None
         self._pause_lock: asyncio.Lock | None = None
         self._dead: BaseException | None = None
+        self._last_weights: ServedWeights | None = None   # of the latest outputs delivered
         if self.config.device.startswith("cpu"):
             keep_freed_memory()   # before the engine thread's first allocation picks its arena
         self._core = EngineCoreThread(lambda: EngineCore(self.config), self._outputs_from_thread,
@@ -151,7 +153,7 @@ class AsyncLLM:
         final, engine_ids = self.output_processor.abort_request(request_id)
         stream = self._streams.get(request_id)
         if final is not None and stream is not None:
-            stream.put(final)
+            stream.put(final, self._last_weights)   # made of what the last delivery made
         return self._core.submit(self.core.abort_requests, engine_ids) if engine_ids else None
 
     # -- outputs from the engine thread --------------------------------------------------
@@ -162,18 +164,19 @@ class AsyncLLM:
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to another event loop")
 
-    def _outputs_from_thread(self, outputs: list[EngineCoreOutput], weight_version: Any) -> None:
+    def _outputs_from_thread(self, outputs: list[EngineCoreOutput], weights: ServedWeights) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, outputs, weight_version)
+            self._loop.call_soon_threadsafe(self._deliver, outputs, weights)
 
-    def _deliver(self, outputs: list[EngineCoreOutput], weight_version: Any) -> None:
-        ready, stopped = self.output_processor.process_outputs(outputs, weight_version)
+    def _deliver(self, outputs: list[EngineCoreOutput], weights: ServedWeights) -> None:
+        ready, stopped = self.output_processor.process_outputs(outputs, weights.label)
+        self._last_weights = weights
         if stopped:
             self._core.submit(self.core.finish_requests, stopped, RequestStatus.FINISHED_STOPPED)
         for out in ready:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                stream.put(out, weights)
 
     def _error_from_thread(self, exc: BaseException) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -26,7 +26,8 @@ from treadle.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-OutputCallback = Callable[[list[EngineCoreOutput], Any], None]   # (outputs, weight_version)
+# (outputs, the served weights that made them: engine/weights.py's ServedWeights)
+OutputCallback = Callable[[list[EngineCoreOutput], Any], None]
 ErrorCallback = Callable[[BaseException], None]
 
 
@@ -106,7 +107,7 @@ class EngineCoreThread:
                     break
                 outputs = self.core.step() if self.core.has_work() else []
                 if outputs:
-                    self._on_outputs(outputs, self.core.weight_version)
+                    self._on_outputs(outputs, self.core.weights)
         except BaseException as exc:  # the engine is dead: tell every waiter why
             logger.exception("engine core failed")
             with self._lock:
@@ -115,7 +116,7 @@ class EngineCoreThread:
             # Outputs already produced go out; every request still in the engine ends with an
             # error that says why.
             self._on_outputs(self.core.take_pending_outputs() + self.core.error_outputs(str(exc)),
-                             self.core.weight_version)
+                             self.core.weights)
             self._on_error(exc)
             self._fail_waiting_calls(f"the engine core failed: {exc}")
         finally:
@@ -149,7 +150,7 @@ class EngineCoreThread:
             # before any later call (a weight update) can run.
             pending = self.core.take_pending_outputs()
             if pending:
-                self._on_outputs(pending, self.core.weight_version)
+                self._on_outputs(pending, self.core.weights)
             future.set_result(result)
 
     def _stopped_error(self, reason: str) -> Exception:

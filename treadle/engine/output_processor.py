@@ -226,7 +226,9 @@ class OutputProcessor:
             if delta:
                 token_ids, logprobs = self._take_delta(sample)
             else:
-                token_ids, logprobs = list(sample.detokenizer.token_ids), sample.logprobs
+                # Copies: an output is what was so when it was made, and the lists go on growing.
+                token_ids = list(sample.detokenizer.token_ids)
+                logprobs = list(sample.logprobs) if sample.logprobs is not None else None
             completions.append(CompletionOutput(
                 index=sample.index, text=text, token_ids=token_ids, logprobs=logprobs,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason))

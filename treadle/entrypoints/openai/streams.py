@@ -72,7 +72,13 @@ class PromptStreams:
         """(prompt index, output) as outputs arrive, after those `start()` returned."""
         while self._open_alone:
             # Cancelled here (a disconnect), the generator sees it and aborts its request.
-            out = await anext(self._gens[0])
+            try:
+                out = await anext(self._gens[0])
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                self._open_alone = False   # it ended with this error: nothing left to abort
+                raise
             self._open_alone = not out.finished
             yield 0, out
         while self._pending:

@@ -184,7 +184,7 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
         if split_min_tokens is not None:
             runner.attention.split_min_tokens = split_min_tokens
             if device_name != "cpu":   # captured graphs hold the setting they were made with
-                runner.capture_decode_graphs()
+                runner.capture_graphs()
         if device_name == "cpu":
             runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
                                          runner.slots.block_table.shape[2], runner.device,

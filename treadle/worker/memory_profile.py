@@ -161,7 +161,7 @@ def measure_graph_capture(runner: ModelRunner) -> int:
     profile's capture this is the graphs' own memory: what a first capture pays once (cuBLAS
     workspaces, kernels loaded) is paid already."""
     free_before = _free_memory(runner.device)
-    runner.capture_decode_graphs()
+    runner.capture_graphs()
     return max(0, free_before - _free_memory(runner.device))
 
 
@@ -170,11 +170,11 @@ def profile_graph_pool(runner: ModelRunner, num_blocks: int) -> int:
     `num_blocks`, it is what letting them go gives back. What the capture paid once and keeps
     (cuBLAS workspaces, kernels loaded) is not the graphs': it stays, and the caller counts it
     as held. The runner is left with no KV cache."""
-    if not runner.serves_decode_graphs:
+    if not runner.serves_graphs:
         return 0
     runner.init_kv_cache(num_blocks)
     try:
-        runner.capture_decode_graphs()
+        runner.capture_graphs()
         with_graphs = _free_memory(runner.device)
         runner.graphs = None   # the graphs go, and their pool with the last reference to it
         gc.collect()

@@ -141,7 +141,7 @@ class ModelRunner(WeightControls):
             self.grammars = GrammarMatchers(self.config, self.slots)
 
     @property
-    def serves_decode_graphs(self) -> bool:
+    def serves_graphs(self) -> bool:
         """Whether steps replay CUDA graphs (worker/cuda_graphs.py: decodes; mixed_graphs.py:
         steps with prefill chunks or drafts): on a GPU, on the triton backend, with one
         worker, for a model that reads nothing back in its forward (not MoE), with one KV
@@ -150,10 +150,10 @@ class ModelRunner(WeightControls):
                 and self.attention.name == "triton" and self.model.capturable
                 and self.ctx.tp_size * self.ctx.pp_size == 1 and not self.kv_groups.is_hybrid)
 
-    def capture_decode_graphs(self) -> None:
-        """Capture the decode and mixed-step graphs, where they serve (serves_decode_graphs)."""
+    def capture_graphs(self) -> None:
+        """Capture the decode and mixed-step graphs, where they serve (serves_graphs)."""
         self.graphs = None
-        if not self.serves_decode_graphs:
+        if not self.serves_graphs:
             return
         sched = self.config.scheduler
         max_batch = min(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_GRAPH_BATCH)
@@ -166,7 +166,7 @@ class ModelRunner(WeightControls):
     def _keep_graphs_valid(self) -> None:
         """Capture again where the graphs' tensors moved (weights or cache given new memory)."""
         if self.graphs is not None and not self.graphs.valid_for(self.model, self.kv_caches):
-            self.capture_decode_graphs()
+            self.capture_graphs()
 
     def free_kv_cache(self) -> None:
         """Let go of the KV cache (sleep, or after the profile step), connector's hold included."""

@@ -75,7 +75,7 @@ class WeightControls:
             self._allocate_kv_cache()
         if self.kv_caches and not self._weights_discarded:
             if self.graphs is None:
-                self.capture_decode_graphs()
+                self.capture_graphs()
             else:
                 self._keep_graphs_valid()
 

@@ -46,8 +46,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
-        if self.memory_profile is None or not self.runner.serves_decode_graphs:
-            self.runner.capture_decode_graphs()
+        if self.memory_profile is None or not self.runner.serves_graphs:
+            self.runner.capture_graphs()
             return
         # The KV cache was sized with the graphs' pool as the profile measured it: say what the
         # capture for good takes, so that a difference shows in the log.

@@ -133,19 +133,26 @@ def test_property_with_special_tokens(tok, ordinary_ids, data, skip):
     assert "".join(deltas) == full_decode(tok, ids, skip_special_tokens=skip)
 
 
-@PROPERTY
-@given(data=st.data(), skip=st.booleans(), eos=st.booleans(), include=st.booleans())
-def test_property_final_only_decodes_at_the_end_to_the_same_text(tok, ordinary_ids, data, skip,
-                                                                 eos, include):
-    """A final-only output with no stop strings decodes once, at the end: the same text and ids
-    as decoding step by step, half characters, special tokens and a stop token included."""
-    token = st.one_of(st.sampled_from(ordinary_ids), st.integers(0, 16))
-    ids = data.draw(st.lists(token, min_size=1, max_size=24), label="ids")
-    prompt = data.draw(st.lists(token, max_size=6), label="prompt")
-    if eos:
-        ids.append(tok.eos_token_id)
-    chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)), label="chunks")
-    params = dict(skip_special_tokens=skip, include_stop_str_in_output=include)
+def byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer with byte fallback (Llama 2's, Mistral's, Gemma's
+    decoder): special tokens 0-2, the 256 byte tokens 3-258, then a few words."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for word in ["▁", "▁Hello", "▁world", "▁x", "a", "é"]:
+        vocab[word] = len(vocab)
+    inner = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True,
+                                 fuse_unk=True))
+    inner.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    inner.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                       decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def final_only_against_step_by_step(tok, prompt, ids, chunks, eos, **params):
     texts = []
     for kind in ("cumulative", "final_only"):
         detok = IncrementalDetokenizer(tok, prompt, SamplingParams(output_kind=kind, **params))
@@ -159,6 +166,47 @@ def test_property_final_only_decodes_at_the_end_to_the_same_text(tok, ordinary_i
         texts.append((detok.get_next_output_text(finished=True, delta=False), detok.token_ids))
     assert texts[0] == texts[1]
     assert texts[1][1] == ids
+
+
+def test_final_only_with_byte_fallback_keeps_the_characters_before_a_bad_byte_run():
+    # 你好世界 in byte tokens, then a character cut short (max_tokens): one decode of the run
+    # gives U+FFFD for every byte; step by step, the four characters came out whole first.
+    tok = byte_fallback_tokenizer()
+    ids = [3 + b for b in "你好世界".encode()] + [3 + 0xE5, 3 + 0xA5]
+    assert tok.decode(ids).count("\ufffd") == len(ids)
+    final_only_against_step_by_step(tok, [259 + 1], ids, [1] * len(ids), eos=False)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(output_kind="final_only"))
+    detok.update(ids, stop_terminated=False)
+    assert detok.get_next_output_text(finished=True, delta=False).startswith("你好世界")
+
+
+@PROPERTY
+@given(data=st.data(), skip=st.booleans(), eos=st.booleans())
+def test_property_final_only_with_byte_fallback(data, skip, eos):
+    tok = byte_fallback_tokenizer()
+    token = st.integers(0, len(tok) - 1)
+    ids = data.draw(st.lists(token, min_size=1, max_size=24), label="ids")
+    prompt = data.draw(st.lists(token, max_size=6), label="prompt")
+    if eos:
+        ids.append(tok.eos_token_id)
+    chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)), label="chunks")
+    final_only_against_step_by_step(tok, prompt, ids, chunks, eos, skip_special_tokens=skip)
+
+
+@PROPERTY
+@given(data=st.data(), skip=st.booleans(), eos=st.booleans(), include=st.booleans())
+def test_property_final_only_decodes_at_the_end_to_the_same_text(tok, ordinary_ids, data, skip,
+                                                                 eos, include):
+    """A final-only output with no stop strings decodes once, at the end: the same text and ids
+    as decoding step by step, half characters, special tokens and a stop token included."""
+    token = st.one_of(st.sampled_from(ordinary_ids), st.integers(0, 16))
+    ids = data.draw(st.lists(token, min_size=1, max_size=24), label="ids")
+    prompt = data.draw(st.lists(token, max_size=6), label="prompt")
+    if eos:
+        ids.append(tok.eos_token_id)
+    chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)), label="chunks")
+    final_only_against_step_by_step(tok, prompt, ids, chunks, eos, skip_special_tokens=skip,
+                                    include_stop_str_in_output=include)
 
 
 def test_final_only_with_stop_strings_still_looks_for_them(tok):

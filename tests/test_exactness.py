@@ -246,6 +246,19 @@ def test_a_sampling_request_without_a_token_is_an_engine_error(llama, prompts):
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], greedy(8), use_tqdm=False)
 
 
+def test_a_request_that_finished_before_a_refused_output_is_freed(llama, prompts):
+    """Request 0 finishes in the step whose output for request 1 is refused: it is freed
+    all the same, not left finished in the running list holding its blocks."""
+    llm = LLM(llama)
+    drop_first_sample_of(llm.engine.core.executor.worker.runner, "1", at_step=2)
+    with pytest.raises(EngineDeadError, match="request 1 was scheduled to sample 1 token"):
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], [greedy(2), greedy(8)],
+                     use_tqdm=False)
+    scheduler = llm.engine.core.scheduler   # and request 1 was aborted as generate() failed
+    assert not scheduler.requests and not scheduler.running
+    scheduler.kv_cache.assert_no_leaks()
+
+
 def test_a_sampling_request_without_a_token_ends_async_streams_with_an_error(llama, prompts):
     """The stream ends with finish_reason "error" and the reason; the engine is then dead."""
     engine = AsyncLLM(llama, async_scheduling=True)

@@ -390,13 +390,31 @@ class Scheduler:
         for rid in kv_out.finished_sending if kv_out is not None else ():
             if (request := self.sending.pop(rid, None)) is not None:
                 self.kv_cache.free(request)
+        finished: list[tuple[Request, EngineCoreOutput]] = []
+        try:
+            self._take_step_outputs(sched_out, runner_out, outputs, finished)
+        finally:   # even where the runner's output was refused part way through
+            if finished:
+                # At once: removing each from the running list on its own is quadratic when
+                # many finish in one step.
+                gone = {id(request) for request, _ in finished}
+                self.running[:] = [r for r in self.running if id(r) not in gone]
+                for request, out in finished:
+                    self._free(request)
+                    out.kv_transfer_params = request.kv_transfer_params   # the connector's, once freed
+        return outputs
+
+    def _take_step_outputs(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput,
+                           outputs: list[EngineCoreOutput],
+                           finished: list[tuple[Request, EngineCoreOutput]]) -> None:
+        """update_from_output's loop over the step's requests: appends their outputs, and the
+        requests that finished (with their outputs) for the caller to free."""
         sampled_of = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         # Looked up once: this loop runs for every request in the step (256 and more).
         in_flight_of, spec_of = sched_out.num_in_flight_tokens, sched_out.scheduled_spec_decode_tokens
         prompt_lps_of, errors_of = runner_out.prompt_logprobs, runner_out.request_errors
         logprobs_of, drafts_of = runner_out.logprobs, runner_out.draft_token_ids
         requests, running = self.requests, RequestStatus.RUNNING
-        finished: list[tuple[Request, EngineCoreOutput]] = []
         for rid in sched_out.num_scheduled_tokens:
             sampled = sampled_of.get(rid)
             num_in_flight = in_flight_of.get(rid, 0)
@@ -456,15 +474,6 @@ class Scheduler:
             elif rid in drafts_of:
                 request.spec_token_ids = list(drafts_of[rid])
             outputs.append(out)
-        if finished:
-            # At once: removing each from the running list on its own is quadratic when many
-            # finish in one step.
-            gone = {id(request) for request, _ in finished}
-            self.running[:] = [r for r in self.running if id(r) not in gone]
-            for request, out in finished:
-                self._free(request)
-                out.kv_transfer_params = request.kv_transfer_params   # the connector's, once freed
-        return outputs
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -57,7 +57,7 @@ class IncrementalDetokenizer:
         self._window = self._prompt_context(prompt_token_ids)
         # Text only at the end (a final-only output with no stop strings to look for): the ids
         # wait in the window and the end decodes them at once, where each step decoded twice.
-        # The text is the same: it is the output's full decode either way (the module doc).
+        # The text is the same as step by step (`_text_at_end`).
         self._at_end = params.output_kind == RequestOutputKind.FINAL_ONLY and not self._stop
         self._prefix_offset = 0
         self._read_offset = len(self._window)
@@ -157,6 +157,25 @@ class IncrementalDetokenizer:
         self._stop_matched = s
         return s
 
+    def _text_at_end(self) -> str:
+        """The text of the ids held for the end: one decode, unless it holds U+FFFD. A
+        ByteFallback decoder (SentencePiece models: Llama 2, Mistral, Gemma, Phi-3) turns a
+        whole invalid run of byte tokens into U+FFFD, characters that came out whole in the
+        step-by-step windows included; then the ids go through those windows, as they would
+        have step by step."""
+        prefix, read = self._prefix_offset, self._read_offset
+        text = self._new_text(force=True)
+        if _REPLACEMENT not in text:
+            return text
+        pending = self._window[read:]
+        self._window, self._prefix_offset, self._read_offset = self._window[:read], prefix, read
+        pieces = []
+        for token_id in pending:
+            self._window.append(token_id)
+            pieces.append(self._new_text(force=False))
+        pieces.append(self._new_text(force=True))
+        return "".join(pieces)
+
     def _flush(self) -> None:
         """At the end, emit text still held for a half character (as U+FFFD, like decode)."""
         if self._flushed:
@@ -165,7 +184,7 @@ class IncrementalDetokenizer:
         if self._stop_matched is not None:
             return
         start = len(self._text)
-        self._text += self._new_text(force=True)
+        self._text += self._text_at_end() if self._at_end else self._new_text(force=True)
         # The request is already ending, so a match here can only trim the text.
         if self._check_stop_strings(start) is not None:
             logger.debug("stop string %r found in the text flushed at the end", self._stop_matched)

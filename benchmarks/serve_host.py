@@ -24,19 +24,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.gpu.workloads import TINY, build_model  # noqa: E402
+from benchmarks.gpu.workloads import TINY, build_model, cpu_seconds  # noqa: E402
 from benchmarks.peers.run import free_port, stop, wait_healthy  # noqa: E402
 from treadle.bench.serve import run as drive  # noqa: E402
 from treadle.bench.serve import summarize  # noqa: E402
 from treadle.bench.throughput import make_workload  # noqa: E402
 from treadle.models.loader import load_tokenizer  # noqa: E402
-
-
-def cpu_seconds(stat_path: str) -> float:
-    """utime + stime of a process or thread, in seconds."""
-    with open(stat_path) as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_round(path: str, ns: argparse.Namespace) -> dict[str, float]:

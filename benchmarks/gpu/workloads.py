@@ -77,6 +77,13 @@ def random_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> l
     return [torch.randint(3, vocab, (s,), generator=gen).tolist() for s in sizes]
 
 
+def cpu_seconds(stat_path: str) -> float:
+    """utime + stime of a process or thread (/proc/PID[/task/TID]/stat), in seconds."""
+    with open(stat_path) as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -389,12 +396,17 @@ def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
         results: dict[str, Any] = {}
         for concurrency in ((1, 4) if ns.small else (1, 16, 64)):
             work = make_workload(tokenizer, 2 * concurrency, (128, 128), (128, 128), seed=concurrency)
+            main_stat = f"/proc/{server.pid}/task/{server.pid}/stat"
+            main_before = cpu_seconds(main_stat)
             done, seconds, _ = asyncio.run(drive(base, None, None, work.prompts, work.output_lens,
                                                  float("inf"), concurrency, 0, False))
+            main_s = cpu_seconds(main_stat) - main_before
             summary = summarize(done, seconds)
             results[f"concurrency={concurrency}"] = {
                 "requests": len(done), "errors": summary["errors"],
                 "output_tok_s": summary["output_throughput"],
+                # The server's event loop (HTTP, output processing, SSE): its CPU per token.
+                "main_thread_us_per_token": main_s / max(summary["output_tokens"], 1) * 1e6,
                 **{f"{name}_{q}": summary[name][f"{q}_ms"] for name in ("ttft", "tpot", "itl")
                    for q in ("median", "p99")}}
         return results
@@ -454,7 +466,8 @@ def main() -> int:
                             f"captured in {pool['capture_s']:.1f}s")
         elif name == "serving":
             summary = "; ".join(f"{k}: TTFT p50 {v['ttft_median']:.1f} ms, TPOT p50 {v['tpot_median']:.2f} ms, "
-                                f"{v['output_tok_s']:.0f} tok/s" for k, v in part.items() if k != "part_s")
+                                f"{v['output_tok_s']:.0f} tok/s, loop {v['main_thread_us_per_token']:.0f} us/tok"
+                                for k, v in part.items() if k != "part_s")
         elif name == "transformers":
             summary = f"{part['output_tok_s']:.0f} output tok/s, {part['requests']} requests ({part['mode']})"
             if "treadle_output_tok_s" in report.get("throughput", {}):

@@ -49,11 +49,9 @@ def queue_prompt_logprobs(model: torch.nn.Module, slots: RequestSlots, hidden: t
     rows: list[np.ndarray] = []
     targets: list[np.ndarray] = []
     num_top: list[int] = []
-    for i, rid in enumerate(req_ids):
-        slot = int(idx[i])
-        top = slots.params[slot].prompt_logprobs
-        if top is None:
-            continue
+    for i in np.flatnonzero(slots.prompt_logprobs[idx] >= 0).tolist():
+        rid, slot = req_ids[i], int(idx[i])
+        top = int(slots.prompt_logprobs[slot])
         first = int(ctx[i])
         stop = min(first + int(q_lens[i]), int(slots.num_prompt_tokens[slot]) - 1)
         n = max(0, stop - first)

@@ -41,6 +41,9 @@ class RequestSlots:
         # a step whose rows all are one skips building them (worker/sampler.py, `sample_slots`).
         self.argmax_from = np.full(max_num_reqs, NEVER, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        # The tenant's prompt_logprobs (how many top entries), -1 where it asked for none: a
+        # step finds the few that did without a pass over every request's params.
+        self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.seeds = [0] * max_num_reqs
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
@@ -66,6 +69,8 @@ class RequestSlots:
         self.long_rope[slot] = new.long_rope
         self.params[slot] = new.sampling_params
         self.argmax_from[slot] = argmax_from(new.sampling_params)
+        top = new.sampling_params.prompt_logprobs
+        self.prompt_logprobs[slot] = -1 if top is None else top
         self.seeds[slot] = new.generator_seed
         self.eos_token_ids[slot] = new.eos_token_id
         self.req_ids[slot] = new.req_id

@@ -58,6 +58,7 @@ def one_round(path: str, ns: argparse.Namespace) -> dict[str, float]:
     assert summary["errors"] == 0, summary
     return {"output_tok_s": summary["output_throughput"], "tpot_p50_ms": summary["tpot"]["median_ms"],
             "tpot_p99_ms": summary["tpot"]["p99_ms"], "itl_p50_ms": summary["itl"]["median_ms"],
+            "itl_max_ms": summary["itl"]["max_ms"],
             "itl_p99_ms": summary["itl"]["p99_ms"], "main_us_per_token": (main1 - main0) / tokens * 1e6,
             "server_us_per_token": (whole1 - whole0) / tokens * 1e6}
 
@@ -74,7 +75,7 @@ def main() -> None:
             r = one_round(path, ns)
             print(f"round {i + 1}: {r['output_tok_s']:.0f} output tok/s, TPOT p50/p99 "
                   f"{r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms, ITL p50/p99 "
-                  f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms; CPU per output token: main "
+                  f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}/{r['itl_max_ms']:.0f} ms (p50/p99/max); CPU per output token: main "
                   f"thread {r['main_us_per_token']:.1f} us, whole server {r['server_us_per_token']:.1f} us",
                   flush=True)
 

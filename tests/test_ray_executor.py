@@ -27,6 +27,7 @@ from ray.cluster_utils import Cluster
 
 from tests.reference import HFReference
 from tests.test_correctness import TEXTS
+from tests.test_gc_freeze import frozen_objects
 from tests.test_parallel import TINY_ARGS, assert_exact, children, greedy, running, token_ids
 from treadle import LLM, AsyncLLM, EngineDeadError
 from treadle.executor.ray import BUNDLES_ENV
@@ -103,6 +104,8 @@ def test_two_stages_match_transformers_with_every_control(cluster, tiny_checkpoi
         pids = llm.collective_rpc(pid_of)
         assert len(set(pids)) == 2 and os.getpid() not in pids
         assert executor.failure() is None
+        # Each actor froze its start-up objects out of full collections (treadle/gc_freeze.py).
+        assert all(n > 10_000 for n in llm.collective_rpc(frozen_objects))
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
         assert llm.get_stats().num_preemptions > 0
         assert_exact(outputs, prompts, reference(path))

@@ -169,6 +169,8 @@ def offline(llama) -> LLM:
 
 # -- the API, through the openai SDK --------------------------------------------------------------
 def test_service_and_tokenizer_endpoints(server, client, tokenizer):
+    # Once built, the server froze its start-up objects out of full collections (gc_freeze.py).
+    assert "froze" in server.log_path.read_text(errors="replace")
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert server.request("GET", "/health")[0] == 200
     assert server.request("GET", "/version") == (200, {"version": treadle.__version__})

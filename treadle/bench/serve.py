@@ -151,9 +151,11 @@ async def run(base_url: str, model: str | None, api_key: str | None, prompts: li
 
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"mean_ms": float("nan"), "median_ms": float("nan"), "p99_ms": float("nan")}
+        return {"mean_ms": float("nan"), "median_ms": float("nan"), "p99_ms": float("nan"),
+                "max_ms": float("nan")}
     a = np.asarray(values) * 1000
-    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
+    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)),
+            "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max())}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
@@ -223,10 +225,10 @@ def main(ns: argparse.Namespace) -> int:
               f"duration {duration:.2f} s\n")
     out.write(f"request throughput {summary['request_throughput']:.3f} req/s, output "
               f"{summary['output_throughput']:.1f} tok/s, total {summary['total_token_throughput']:.1f} tok/s\n")
-    out.write("| metric | mean ms | median ms | p99 ms |\n|---|---|---|---|\n")
+    out.write("| metric | mean ms | median ms | p99 ms | max ms |\n|---|---|---|---|---|\n")
     for name in ("ttft", "tpot", "itl", "e2e_latency"):
         s = summary[name]
-        out.write(f"| {name} | {s['mean_ms']:.1f} | {s['median_ms']:.1f} | {s['p99_ms']:.1f} |\n")
+        out.write(f"| {name} | {s['mean_ms']:.1f} | {s['median_ms']:.1f} | {s['p99_ms']:.1f} | {s['max_ms']:.1f} |\n")
     for err in summary["error_samples"]:
         out.write(f"error: {err}\n")
     if ns.save_result:

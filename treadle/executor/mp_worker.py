@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from treadle.config import TreadleConfig
+from treadle.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ def worker_main(rank: int, config: TreadleConfig, address: str, store_port: int,
         sock.close()
         context.term()
         os._exit(1)
+    freeze_startup_heap(f"worker process {rank}")
     _serve(rank, worker, sock)
     sock.close()
     context.term()

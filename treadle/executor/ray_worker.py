@@ -59,13 +59,16 @@ class RayWorker:
     def start(self, config: TreadleConfig, host: str, port: int) -> tuple[bool, Any]:
         """Join the process group at host:port and load this rank's shard; its KV block count."""
         from treadle.distributed.parallel_state import init_parallel
+        from treadle.gc_freeze import freeze_startup_heap
         from treadle.worker.worker import Worker
 
         try:
             ctx = init_parallel(config.parallel, self.rank, host, port, config.device)
             self.worker = Worker(config, ctx)
             self.worker.load_model()
-            return True, self.worker.determine_num_blocks()
+            num_blocks = self.worker.determine_num_blocks()
+            freeze_startup_heap(f"Ray worker {self.rank}")
+            return True, num_blocks
         except Exception as e:   # noqa: BLE001 - reported to the engine: a failed start is fatal
             logger.exception("start-up failed")
             return False, _remote_error(self.rank, e)

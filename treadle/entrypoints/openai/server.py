@@ -45,6 +45,7 @@ from treadle.entrypoints.openai.tool_parsers import get_tool_parser
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.serving_completion import CompletionServing
 from treadle.entrypoints.openai.weight_transfer_routes import add_weight_transfer_routes
+from treadle.gc_freeze import freeze_startup_heap
 from treadle.models.loader import prepare_model
 
 logger = logging.getLogger(__name__)
@@ -379,5 +380,6 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any], sock: socket
                     default_template_kwargs=ns.default_chat_template_kwargs)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
+    freeze_startup_heap("the server")
     _Server(config, app, engine, ns.shutdown_timeout, phases).run(sockets=[sock])
     return 0

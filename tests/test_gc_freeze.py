@@ -1,0 +1,53 @@
+"""Start-up objects frozen out of the garbage collector's full collections (treadle/gc_freeze.py)
+in processes that serve one engine for their whole life: worker processes here, the server in
+test_server.py; an LLM in a user's process leaves the heap as it is."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+from treadle import LLM, SamplingParams
+
+
+def frozen_objects(worker) -> int:
+    """Given to collective_rpc: how many objects the worker's process froze."""
+    return gc.get_freeze_count()
+
+
+def test_a_worker_process_freezes_its_start_up_heap_and_an_llm_does_not(llama):
+    with LLM(llama, distributed_executor_backend="mp", num_kv_blocks=64) as llm:
+        [frozen] = llm.collective_rpc(frozen_objects)
+        assert frozen > 10_000   # torch's modules and the model's, at least
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                           SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    # This process may build and drop many engines: their cycles must stay collectable.
+    with LLM(llama, num_kv_blocks=64) as llm:
+        assert llm.collective_rpc(frozen_objects) == [0]
+
+
+def test_freezing_leaves_later_cycles_collectable_and_unfreezes_at_exit():
+    script = textwrap.dedent("""
+        import atexit, gc
+        import torch
+        from treadle.gc_freeze import freeze_startup_heap
+
+        # Registered first, so it runs last: after the unfreeze freeze_startup_heap registers.
+        atexit.register(lambda: print("at exit, frozen:", gc.get_freeze_count()))
+        freeze_startup_heap("a test")
+        assert gc.get_freeze_count() > 10_000
+        class Node:
+            pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a   # a cycle made after the freeze
+        del a, b
+        assert gc.collect() >= 2
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["ok", "at exit, frozen: 0"]

@@ -1,0 +1,41 @@
+"""Python's cyclic garbage collector in a process that serves one engine for its whole life.
+
+A full collection walks every object the collector tracks: after start-up, about 390,000 of
+them (torch, transformers and the model's modules), and it takes 100-200 ms with the GIL held,
+a stalled step for every request (docs/performance.md, "Full garbage collections"). Once the
+engine is up, what the process holds is frozen (`gc.freeze`): later collections leave it out,
+as vLLM does in its engine and server processes. Objects that reference counting frees are
+still freed; only cycles among the frozen objects would stay, and start-up's are collected just
+before.
+
+Only where the engine lives as long as the process (`treadle serve`, worker processes): an
+`LLM` in a user's process may be one of several, built and dropped, and a dropped engine's
+cycles (its weights among them) must stay collectable.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+_unfreeze_at_exit = False
+
+
+def freeze_startup_heap(what: str) -> None:
+    """Collect what start-up left, then leave every object there is now out of later
+    collections. `what`: the process, for the log line."""
+    global _unfreeze_at_exit
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_at_exit:
+        # At exit the interpreter's last collections see them again, so that extension modules
+        # that count their objects at teardown find them released.
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = True
+    logger.info("%s: froze %d start-up objects out of garbage collection (%.2fs)", what,
+                gc.get_freeze_count(), time.perf_counter() - start)

@@ -17,10 +17,43 @@ def frozen_objects(worker) -> int:
     return gc.get_freeze_count()
 
 
+def plant_frozen_cycle(worker) -> bool:
+    """Given to collective_rpc: a cycle holding a tensor, frozen, then dropped; the worker
+    keeps a weak reference to the tensor (`frozen_cycle_alive`)."""
+    import weakref
+
+    import torch
+
+    class Holder:
+        pass
+
+    a, b = Holder(), Holder()
+    a.other, b.other = b, a
+    a.tensor = torch.zeros(1024)
+    worker.planted = weakref.ref(a.tensor)
+    gc.freeze()
+    del a, b
+    gc.collect()
+    return worker.planted() is not None   # frozen: the collection left it
+
+
+def frozen_cycle_alive(worker) -> bool:
+    return worker.planted() is not None
+
+
 def test_a_worker_process_freezes_its_start_up_heap_and_an_llm_does_not(llama):
     with LLM(llama, distributed_executor_backend="mp", num_kv_blocks=64) as llm:
         [frozen] = llm.collective_rpc(frozen_objects)
         assert frozen > 10_000   # torch's modules and the model's, at least
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                           SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        # Sleep lets memory go: cycles among the frozen objects are collected too.
+        assert llm.collective_rpc(plant_frozen_cycle) == [True]
+        llm.sleep(level=1)
+        assert llm.collective_rpc(frozen_cycle_alive) == [False]
+        assert llm.collective_rpc(frozen_objects)[0] > 10_000   # and the rest frozen again
+        llm.wake_up()
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                            SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4

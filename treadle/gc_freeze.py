@@ -8,6 +8,9 @@ as vLLM does in its engine and server processes. Objects that reference counting
 still freed; only cycles among the frozen objects would stay, and start-up's are collected just
 before.
 
+Where memory is let go on purpose (sleep), cycles among the frozen objects are collected too
+(`collect_frozen_garbage`): a frozen cycle holding a tensor would keep its memory for good.
+
 Only where the engine lives as long as the process (`treadle serve`, worker processes): an
 `LLM` in a user's process may be one of several, built and dropped, and a dropped engine's
 cycles (its weights among them) must stay collectable.
@@ -39,3 +42,12 @@ def freeze_startup_heap(what: str) -> None:
         _unfreeze_at_exit = True
     logger.info("%s: froze %d start-up objects out of garbage collection (%.2fs)", what,
                 gc.get_freeze_count(), time.perf_counter() - start)
+
+
+def collect_frozen_garbage() -> None:
+    """Collect cycles among the frozen objects too, then freeze what is left again: where the
+    engine lets memory go (sleep), a frozen cycle holding a tensor must not keep it."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()

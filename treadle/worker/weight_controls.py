@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from treadle.gc_freeze import collect_frozen_garbage
 from treadle.models.loader import iter_hf_weights, prepare_model
 
 
@@ -63,6 +64,7 @@ class WeightControls:
             self._weights_discarded = True
         else:
             self.on_device.offload(self.model)
+        collect_frozen_garbage()   # in a process that froze its start-up objects (gc_freeze.py)
         self.on_device.release_cached_memory()
 
     def wake_up(self, tags: list[str]) -> None:

@@ -46,8 +46,9 @@ def freeze_startup_heap(what: str) -> None:
 
 def collect_frozen_garbage() -> None:
     """Collect cycles among the frozen objects too, then freeze what is left again: where the
-    engine lets memory go (sleep), a frozen cycle holding a tensor must not keep it."""
-    if gc.get_freeze_count():
+    engine lets memory go (sleep), a frozen cycle holding a tensor must not keep it. What is
+    alive then (requests kept across the sleep) is frozen with the rest."""
+    if _unfreeze_at_exit:   # this process froze its heap here (a user's own freeze is theirs)
         gc.unfreeze()
         gc.collect()
         gc.freeze()

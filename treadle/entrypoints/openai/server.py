@@ -381,5 +381,6 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any], sock: socket
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 10)
     freeze_startup_heap("the server")
+    _stage_done(phases, "garbage collector")
     _Server(config, app, engine, ns.shutdown_timeout, phases).run(sockets=[sock])
     return 0

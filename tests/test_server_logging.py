@@ -13,7 +13,8 @@ import pytest
 from tests.test_server import MODEL, Server, scrape
 
 READY = re.compile(r"ready to serve tiny-llama, [\d.]+ s after the process started: imports [\d.]+ s, "
-                   r"model files [\d.]+ s, engine [\d.]+ s, HTTP server [\d.]+ s")
+                   r"model files [\d.]+ s, engine [\d.]+ s, garbage collector [\d.]+ s, "
+                   r"HTTP server [\d.]+ s")
 REQUEST_LINES = ("prompts=", "client disconnected", "aborting 1 unfinished prompt(s)")
 
 

@@ -33,6 +33,9 @@ def freeze_startup_heap(what: str) -> None:
     collections. `what`: the process, for the log line."""
     global _unfreeze_at_exit
     start = time.perf_counter()
+    # Twice: a collection returns at once, collecting nothing, while another thread's is under
+    # way (one paused in a finalizer), and what it left would then be frozen for good.
+    gc.collect()
     gc.collect()
     gc.freeze()
     if not _unfreeze_at_exit:

@@ -25,24 +25,24 @@ import time
 
 logger = logging.getLogger(__name__)
 
-_unfreeze_at_exit = False
+_frozen_here = False   # freeze_startup_heap has run in this process
 
 
 def freeze_startup_heap(what: str) -> None:
     """Collect what start-up left, then leave every object there is now out of later
     collections. `what`: the process, for the log line."""
-    global _unfreeze_at_exit
+    global _frozen_here
     start = time.perf_counter()
     # Twice: a collection returns at once, collecting nothing, while another thread's is under
     # way (one paused in a finalizer), and what it left would then be frozen for good.
     gc.collect()
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:
+    if not _frozen_here:
         # At exit the interpreter's last collections see them again, so that extension modules
         # that count their objects at teardown find them released.
         atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
+        _frozen_here = True
     logger.info("%s: froze %d start-up objects out of garbage collection (%.2fs)", what,
                 gc.get_freeze_count(), time.perf_counter() - start)
 
@@ -51,7 +51,7 @@ def collect_frozen_garbage() -> None:
     """Collect cycles among the frozen objects too, then freeze what is left again: where the
     engine lets memory go (sleep), a frozen cycle holding a tensor must not keep it. What is
     alive then (requests kept across the sleep) is frozen with the rest."""
-    if _unfreeze_at_exit:   # this process froze its heap here (a user's own freeze is theirs)
+    if _frozen_here:   # this process froze its heap here (a user's own freeze is theirs)
         gc.unfreeze()
         gc.collect()
         gc.freeze()

@@ -450,17 +450,12 @@ class Scheduler:
                 sampled = []
             elif not sampled and prompt_lps is None:
                 continue  # a prefill chunk that is not the last one produces nothing
-            if len(sampled) == 1:
-                request.append_output_token_ids(sampled)
-                new_ids = sampled
-                self._check_stop(request)
-            else:
-                new_ids = []
-                for tok in sampled:
-                    request.append_output_token_ids([tok])
-                    new_ids.append(tok)
-                    if self._check_stop(request):
-                        break
+            new_ids: list[int] = []
+            for tok in sampled:
+                request.append_output_token_ids([tok])
+                new_ids.append(tok)
+                if self._check_stop(request):
+                    break
             lps = logprobs_of.get(rid) if logprobs_of else None
             out = EngineCoreOutput(
                 request_id=rid, new_token_ids=new_ids,

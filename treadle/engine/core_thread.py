@@ -23,11 +23,12 @@ from typing import Any, Callable
 from treadle.core.scheduler_output import EngineCoreOutput
 from treadle.engine.core import EngineCore
 from treadle.engine.errors import EngineDeadError
+from treadle.engine.weights import ServedWeights
 
 logger = logging.getLogger(__name__)
 
-# (outputs, the served weights that made them: engine/weights.py's ServedWeights)
-OutputCallback = Callable[[list[EngineCoreOutput], Any], None]
+# (outputs, the served weights that made them)
+OutputCallback = Callable[[list[EngineCoreOutput], ServedWeights], None]
 ErrorCallback = Callable[[BaseException], None]
 
 

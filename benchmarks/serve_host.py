@@ -6,7 +6,7 @@ server's tokens per second at high concurrency (docs/performance.md, "On a GPU")
 
     python benchmarks/serve_host.py [--concurrency 64] [--output-len 256] [--rounds 1]
 
-Linux only (/proc/PID/task). Prints, per round, output tokens/s, TPOT and ITL p50/p99 (ITL
+Linux only (/proc/PID/task). Prints, per round, output tokens/s, TPOT p50/p99 and ITL p50/p99/max (ITL
 is between events, and a server that lags sends several tokens in one) and the main thread's
 and the whole server's CPU microseconds per output token.
 """
@@ -74,8 +74,8 @@ def main() -> None:
         for i in range(ns.rounds):
             r = one_round(path, ns)
             print(f"round {i + 1}: {r['output_tok_s']:.0f} output tok/s, TPOT p50/p99 "
-                  f"{r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms, ITL p50/p99 "
-                  f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}/{r['itl_max_ms']:.0f} ms (p50/p99/max); CPU per output token: main "
+                  f"{r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms, ITL p50/p99/max "
+                  f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}/{r['itl_max_ms']:.0f} ms; CPU per output token: main "
                   f"thread {r['main_us_per_token']:.1f} us, whole server {r['server_us_per_token']:.1f} us",
                   flush=True)
 

@@ -6,6 +6,7 @@ the device waits for (docs/performance.md, "On a GPU": it sat idle 81-85% of dec
     python benchmarks/host_step.py [--requests 256] [--tokens 64]
     python benchmarks/host_step.py --device cuda --shape qwen3-0.6b --backend triton [--async]
     python benchmarks/host_step.py --async --executor mp
+    python benchmarks/host_step.py --throughput-shape   # the GPU check's throughput requests
 
 Prints ms per step of the whole run, then the parts, each timed around its call. On a GPU,
 `to_host` is the step's wait for its sampled tokens (deferred steps wait in `finish`), and
@@ -70,25 +71,41 @@ def main() -> None:
     parser.add_argument("--executor", default="uni", choices=["uni", "mp"],
                         help="distributed_executor_backend; with mp the worker's parts run in its "
                              "process, untimed here")
+    parser.add_argument("--throughput-shape", action="store_true",
+                        help="256 requests, input and output lengths uniform in [100, 1024], as the "
+                             "GPU check's throughput part; prints ms per 1,000 output tokens")
     ns = parser.parse_args()
     seconds = timed_parts()
     shape, dtype = (TINY, torch.float32) if ns.shape == "tiny" else (QWEN3_06B, torch.bfloat16)
     with tempfile.TemporaryDirectory() as folder:
         path = build_model("Qwen3", shape, folder, dtype)
-        prompts = random_prompts(ns.requests, (20, 40), shape["vocab_size"], seed=2)
-        params = SamplingParams(temperature=0.0, max_tokens=ns.tokens, ignore_eos=True)
+        if ns.throughput_shape:
+            ns.requests = 256
+            prompts = random_prompts(256, (100, 1024), shape["vocab_size"], seed=2)
+            lengths = torch.randint(100, 1025, (256,),
+                                    generator=torch.Generator().manual_seed(3)).tolist()
+        else:
+            prompts = random_prompts(ns.requests, (20, 40), shape["vocab_size"], seed=2)
+            lengths = [ns.tokens] * ns.requests
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
         with LLM(path, device=ns.device, dtype=str(dtype).removeprefix("torch."),
                  max_num_seqs=max(ns.requests, 8), attention_backend=ns.backend,
                  async_scheduling=ns.async_scheduling,
                  distributed_executor_backend=ns.executor) as llm:
-            llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params[:8], use_tqdm=False)
             seconds.clear()
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             wall = time.perf_counter() - start
-    print(f"{ns.requests} requests x {ns.tokens} tokens: {wall / ns.tokens * 1e3:.1f} ms per step")
+    if ns.throughput_shape:
+        per, unit = sum(lengths) / 1000, "ms per 1,000 output tokens"
+        print(f"{ns.requests} requests, {sum(lengths)} output tokens in {wall:.2f} s: "
+              f"{sum(lengths) / wall:.0f} tok/s, {wall / per * 1e3:.1f} {unit}")
+    else:
+        per, unit = ns.tokens, "ms per step"
+        print(f"{ns.requests} requests x {ns.tokens} tokens: {wall / per * 1e3:.1f} {unit}")
     for name, s in seconds.most_common():
-        print(f"  {name:20s} {s / ns.tokens * 1e3:6.2f} ms per step")
+        print(f"  {name:20s} {s / per * 1e3:6.2f} {unit}")
 
 
 if __name__ == "__main__":

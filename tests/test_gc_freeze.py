@@ -1,6 +1,6 @@
 """Start-up objects frozen out of the garbage collector's full collections (treadle/gc_freeze.py)
 in processes that serve one engine for their whole life: worker processes here, the server in
-test_server.py; an LLM in a user's process leaves the heap as it is."""
+test_server.py; an LLM in a user's process freezes it only while generate runs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import gc
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from treadle import LLM, SamplingParams
 
@@ -60,6 +62,42 @@ def test_a_worker_process_freezes_its_start_up_heap_and_an_llm_does_not(llama):
     # This process may build and drop many engines: their cycles must stay collectable.
     with LLM(llama, num_kv_blocks=64) as llm:
         assert llm.collective_rpc(frozen_objects) == [0]
+
+
+def test_an_llm_freezes_the_heap_only_while_generate_runs(llama):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with LLM(llama, num_kv_blocks=64) as llm:
+        step, seen = llm.engine.step, []
+
+        def counting_step():
+            seen.append(gc.get_freeze_count())
+            return step()
+
+        llm.engine.step = counting_step
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert len(seen) >= 4 and min(seen) > 10_000   # every step ran with the heap frozen
+        assert gc.get_freeze_count() == 0              # and it was given back after
+
+        def failing_step():
+            raise KeyboardInterrupt
+
+        llm.engine.step = failing_step
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+        assert gc.get_freeze_count() == 0              # given back on the way out too
+
+        # A freeze the user made is theirs: generate neither adds to it nor undoes it.
+        llm.engine.step = counting_step
+        seen.clear()
+        gc.freeze()
+        try:
+            frozen = gc.get_freeze_count()
+            llm.generate([{"prompt_token_ids": [4, 5, 6]}], params, use_tqdm=False)
+            assert gc.get_freeze_count() > frozen // 2 > 10_000
+            assert max(seen) <= frozen
+        finally:
+            gc.unfreeze()
 
 
 def test_freezing_leaves_later_cycles_collectable_and_unfreezes_at_exit():

@@ -109,6 +109,32 @@ def write_kv_skips_padding(device_name: str) -> bool:
     return torch.equal(cache, expected)
 
 
+def unified_launch_shapes(device_name: str) -> dict[str, float]:
+    """The unified kernel at other keys per tile (benchmarks/gpu/decode_attention.py times
+    them on a GPU) against its default tile, on decodes and a chunk over partial tiles: the
+    largest difference per tile size."""
+    from treadle.attention.triton_unified import unified_attention
+
+    device = torch.device(device_name)
+    gen = torch.Generator().manual_seed(1)
+    q_lens, contexts = [1, 1, 5], [70, 33, 21]
+    table = torch.randperm(15, generator=gen)[:12].view(3, 4).to(torch.int32) + 1
+    cache = torch.randn(2, 16, BLOCK_SIZE, 2, 64, generator=gen)
+    q = torch.randn(sum(q_lens), 6, 64, generator=gen)
+    seq_lens = torch.tensor([c + n for c, n in zip(contexts, q_lens)], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
+    args = [t.to(device) for t in (q, cache[0], cache[1], table, seq_lens, starts)]
+
+    def attend(**launch) -> torch.Tensor:
+        out = torch.empty_like(args[0])
+        unified_attention(out, *args, 0.125, **launch)
+        return out
+
+    want = attend()
+    return {f"tile{tile}": (attend(tile_n=tile, num_warps=8, num_stages=2) - want).abs().max().item()
+            for tile in (16, 64)}
+
+
 def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_tokens: int,
                device_name: str, on_graph_buffers: bool = False, deferred: bool = False) -> dict:
     """Greedy output of the whole engine on the triton backend in fp32, with prefill chunks of
@@ -125,12 +151,16 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
     from treadle.attention import triton_kv_write
     from treadle.worker.cuda_graphs import DecodeGraphs
 
+    # On the CPU's graph buffers, room for 8 requests (the runs have 3 at most) where the
+    # default has 256: the unified kernel's grid spans them all (worker/mixed_graphs.py), and
+    # the interpreter runs each empty request's program, as it runs the others.
+    graph_seqs = {"max_num_seqs": 8} if on_graph_buffers and device_name == "cpu" else {}
     # Closed at the end: on a GPU the next engine in this process sizes its cache against what
     # this one leaves free.
     with mock.patch.object(triton_kv_write, "write_kv", wraps=triton_kv_write.write_kv) as backend_write, \
             LLM(path, device=device_name, attention_backend="triton", dtype="float32",
                 block_size=BLOCK_SIZE, max_num_batched_tokens=16, async_scheduling=deferred,
-                **shared_gpu(device_name),
+                **graph_seqs, **shared_gpu(device_name),
                 speculative_config=None if deferred else {
                     "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                     "prompt_lookup_max": 3}) as llm:
@@ -233,9 +263,13 @@ def run_connector_arrivals(path: str, store: str, stale: list[list[int]],
                 "drafts": consumer.engine.core.scheduler.spec_stats.num_draft_tokens}
 
 
-def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int) -> list[str]:
+def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int,
+                     tile_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> list[str]:
     """Compile every kernel for an H100/H200 (sm_90) without a GPU, as the launcher would for
-    these shapes (it makes an integer argument equal to 1 a constant); the kernels' names."""
+    these shapes (it makes an integer argument equal to 1 a constant, and marks 16-byte aligned
+    pointers and head strides so, which lets the pipeliner copy K and V asynchronously); the
+    kernels' names. `tile_n`, `num_warps` and `num_stages`: the attention kernels' launch
+    shape (decode_attention.py's variants), the default where None."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -243,7 +277,7 @@ def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int) -> li
 
     block_m, block_q, head_dim_pad = triton_unified.tile_sizes(group, head_dim)
     shape = {"GROUP": group, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad,
-             "BLOCK_SIZE": BLOCK_SIZE, "TILE_N": triton_unified.TILE_N,
+             "BLOCK_SIZE": BLOCK_SIZE, "TILE_N": tile_n or triton_unified.TILE_N,
              "FP32_DOT": dtype == "fp32"}
     kernels = [
         (triton_unified._unified_attention_kernel,
@@ -254,9 +288,12 @@ def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int) -> li
         (triton_kv_write._write_kv_kernel,
          {"NUM_KV_HEADS": 2, "HEADS_PAD": 2, "HEAD_DIM": head_dim,
           "HEAD_DIM_PAD": triton.next_power_of_2(head_dim), "BLOCK_SIZE": BLOCK_SIZE})]
+    # Strides of whole heads, tokens and blocks: multiples of the head dim.
+    head_strides = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kp",
+                    "stride_kh", "stride_vb", "stride_vp", "stride_vh"}
     for kernel, constants in kernels:
-        signature = {}
-        for name in kernel.arg_names:
+        signature, aligned = {}, {}
+        for i, name in enumerate(kernel.arg_names):
             if name in constants:
                 signature[name] = "constexpr"
             elif name.startswith("part_"):
@@ -266,8 +303,13 @@ def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int) -> li
                                                           "slot_mapping") else f"*{dtype}"
             else:
                 signature[name] = "fp32" if name == "scale_log2" else "i32"
-        triton.compile(triton.compiler.ASTSource(kernel, signature, constants),
-                       target=GPUTarget("cuda", 90, 32))
+            if name.endswith("_ptr") or (name in head_strides and head_dim % 16 == 0):
+                aligned[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(triton.compiler.ASTSource(kernel, signature, constants, aligned),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        # What an H100's SM gives one block (227 KiB); past it the launch fails on the device.
+        assert compiled.metadata.shared <= 227 * 1024, (kernel.__name__, compiled.metadata.shared)
     return [kernel.__name__ for kernel, _ in kernels]
 
 
@@ -331,6 +373,7 @@ def interpreted_kernels() -> dict:
     calls = [("compare_case", [case, "float32", "cpu"]) for case in CASES]
     calls += [("compare_case", [case, "bfloat16", "cpu"]) for case in BF16_CASES]
     calls.append(("write_kv_skips_padding", ["cpu"]))
+    calls.append(("unified_launch_shapes", ["cpu"]))
     results = _interpreted(calls)
     return {tuple(args[:2]) if name == "compare_case" else name: r
             for (name, args), r in zip(calls, results)}
@@ -354,6 +397,11 @@ def test_interpreted_kernels_in_bf16(interpreted_kernels, case):
 
 def test_interpreted_kv_write_skips_padding_slots(interpreted_kernels):
     assert interpreted_kernels["write_kv_skips_padding"]
+
+
+def test_interpreted_unified_kernel_in_other_launch_shapes(interpreted_kernels):
+    diffs = interpreted_kernels["unified_launch_shapes"]
+    assert set(diffs) == {"tile16", "tile64"} and max(diffs.values()) < FP32_TOL, diffs
 
 
 def _engine_prompts(path: str) -> tuple[list[list[int]], list[int]]:
@@ -466,8 +514,11 @@ def test_connector_arrivals_in_reused_slots_match_transformers(tiny_checkpoints,
 # -- compiled for a GPU, without one ------------------------------------------------------
 def test_the_kernels_compile_for_an_h100_without_a_gpu():
     """What the interpreter does not check: the kernels through Triton's compiler to sm_90
-    code, in fp32 (ieee dots) and bf16, for one sequence and for several."""
-    calls = [("compile_for_sm90", ["fp32", 3, 80, 1]), ("compile_for_sm90", ["bf16", 8, 128, 5])]
+    code, in fp32 (ieee dots) and bf16, for one sequence and for several, and in the largest
+    launch shapes decode_attention.py tries (64 keys a tile with 8 warps, or with 5 stages)."""
+    calls = [("compile_for_sm90", ["fp32", 3, 80, 1]), ("compile_for_sm90", ["bf16", 8, 128, 5]),
+             ("compile_for_sm90", ["bf16", 2, 128, 256, 64, 8]),   # decode_attention's largest
+             ("compile_for_sm90", ["bf16", 2, 128, 256, 64, 4, 5])]
     for names in _in_fresh_python(calls, interpret=False):
         assert len(names) == 4
 
@@ -562,5 +613,7 @@ def test_the_decode_attention_benchmark_dry_runs_on_the_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     shapes = json.loads((tmp_path / "decode_attention.json").read_text())["shapes"]
     assert set(shapes) == {"1x40", "2x40"}
-    assert all(set(row) == {"unified_us", "split3_us"} for row in shapes.values()), shapes
-    assert proc.stderr.strip().splitlines()[-1].startswith("split-KV against unified"), proc.stderr
+    assert all(set(row) == {"unified_us", "unified_gbs", "split3_us"} for row in shapes.values()), shapes
+    *_, splits, reads = proc.stderr.strip().splitlines()
+    assert splits.startswith("split-KV against unified"), proc.stderr
+    assert reads.startswith("unified kernel's reads: batch 2: 40 keys"), proc.stderr

@@ -13,15 +13,18 @@ Where memory is let go on purpose (sleep), cycles among the frozen objects are c
 
 Only where the engine lives as long as the process (`treadle serve`, worker processes): an
 `LLM` in a user's process may be one of several, built and dropped, and a dropped engine's
-cycles (its weights among them) must stay collectable.
+cycles (its weights among them) must stay collectable. There the heap is frozen only while
+`LLM.generate` runs (`frozen_while_running`), and given back as it returns.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +58,23 @@ def collect_frozen_garbage() -> None:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
+
+
+@contextlib.contextmanager
+def frozen_while_running() -> Iterator[None]:
+    """Leave every object there is now out of collections until the block ends, then give them
+    back: a full collection in a long run (LLM.generate) walks only what the run made.
+
+    A full collection while frozen counts only the unfrozen objects as the heap's size, so the
+    first one after the block is due soon and walks everything: a call has at most that one
+    walk of the whole heap, where unfrozen it had one every time the heap grew by a quarter.
+    Cycles from before the block wait for it. Where objects are frozen already (this module in
+    a serving process, or the user's own freeze), they are theirs to undo: nothing is done."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -8,12 +8,21 @@ is checked against the unified kernel's, then every kernel is timed replayed in 
 (what a decode step's graph pays). On the H200 attention took about 10 us a layer at batch 1
 (docs/performance.md), a fifth of the step.
 
+At the throughput workload's batch (256 decodes; no split there), what matters is how near the
+unified kernel reads the cache at the device's bandwidth: each row has the kernel's GB/s (KV
+bytes read over its time), beside a device-to-device copy's GB/s (bytes copied over its time,
+each read and written) measured in the same run. At 256 decodes of about 1,000 keys, Qwen3-0.6B
+reads about 29 GB of KV a step over its 28 layers: attention, not the weights, bounds the step.
+There the unified kernel is also timed in other launch shapes (`UNIFIED_VARIANTS`: keys per
+tile, warps, pipeline stages), each checked against the default's output, to choose its default.
+
     python benchmarks/gpu/decode_attention.py --out DIR      # on the GPU (check.sh runs it)
     python benchmarks/gpu/decode_attention.py --device cpu --batches 1,2 --contexts 64 \\
         --splits 2 --out /tmp/a                              # a dry run here, interpreted
 
-Writes DIR/decode_attention.json after every shape, and logs one line last: per batch, the
-contexts where some split count beats the unified kernel, with the best count and its speed-up.
+Writes DIR/decode_attention.json after every shape, and logs two lines last: per batch, the
+contexts where some split count beats the unified kernel, with the best count and its speed-up;
+then the unified kernel's GB/s at the largest batch against the copy's.
 """
 
 from __future__ import annotations
@@ -36,6 +45,16 @@ from benchmarks.gpu.fused_ops import graphed_us, time_us  # noqa: E402
 logger = logging.getLogger("decode_attention")
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
+# Batches past this take no split-KV path (TritonBackend's split_max_decodes is at most this):
+# only the unified kernel is timed, in its default launch shape and these.
+MAX_SPLIT_BATCH = 32
+# Compiled for sm_90 (Triton 3.9, here), the default (32 keys a tile, 4 warps, 3 stages) keeps
+# one K/V buffer in shared memory: the block-table load ahead of K and V takes a stage of the
+# pipeline. From 5 stages there are two, so a tile's loads fly while the one before is computed
+# (docs/performance.md, "On a GPU").
+UNIFIED_VARIANTS = {"unified_tile64": {"tile_n": 64}, "unified_warps8": {"num_warps": 8},
+                    "unified_stages5": {"num_stages": 5},
+                    "unified_tile64_stages5": {"tile_n": 64, "num_stages": 5}}
 # A split's output further than this from unified's, relative to unified's largest value, is
 # wrong, not rounded: outputs over thousands of keys are small, so an absolute bound would pass
 # a range left out.
@@ -70,10 +89,13 @@ def run_shape(batch: int, context: int, ns: argparse.Namespace) -> dict[str, Any
     scale = HEAD_DIM ** -0.5
     kernels = {"unified": functools.partial(unified_attention, torch.empty_like(q), q, k_cache,
                                             v_cache, table, seq_lens, query_start, scale)}
-    for splits in ns.splits:
+    for splits in ns.splits if batch <= MAX_SPLIT_BATCH else ():
         kernels[f"split{splits}"] = functools.partial(split_kv_decode, torch.empty_like(q), q,
                                                       k_cache, v_cache, table, seq_lens, scale,
                                                       splits)
+    for name, launch in UNIFIED_VARIANTS.items() if batch > MAX_SPLIT_BATCH else ():
+        kernels[name] = functools.partial(unified_attention, torch.empty_like(q), q, k_cache,
+                                          v_cache, table, seq_lens, query_start, scale, **launch)
     want = kernels["unified"].args[0]
     kernels["unified"]()
     row: dict[str, Any] = {}
@@ -86,7 +108,24 @@ def run_shape(batch: int, context: int, ns: argparse.Namespace) -> dict[str, Any
                 raise ValueError(f"{name} at batch {batch}, context {context}: {err:.3g} from unified")
         timer = graphed_us if ns.device.type == "cuda" else time_us
         row[f"{name}_us"] = timer(kernel, ns.device, ns.reps)
+    for name in kernels:
+        if name.startswith("unified"):
+            row[f"{name}_gbs"] = kv_bytes(batch, context, ns.dtype) / row[f"{name}_us"] / 1e3
     return row
+
+
+def kv_bytes(batch: int, context: int, dtype: torch.dtype) -> int:
+    """The K and V bytes `batch` decodes of `context` keys read in one layer."""
+    return 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
+
+
+def copy_gbs(ns: argparse.Namespace) -> float:
+    """A device-to-device copy of 1 GiB (64 MiB on the CPU), in GB copied a second."""
+    size = 2 ** 30 if ns.device.type == "cuda" else 2 ** 26
+    src = torch.empty(size, dtype=torch.uint8, device=ns.device)
+    dst = torch.empty_like(src)
+    timer = graphed_us if ns.device.type == "cuda" else time_us
+    return size / timer(lambda: dst.copy_(src), ns.device, ns.reps) / 1e3
 
 
 def summary(shapes: dict[str, dict[str, Any]]) -> str:
@@ -106,12 +145,27 @@ def summary(shapes: dict[str, dict[str, Any]]) -> str:
     return "; ".join(f"batch {b}: " + ", ".join(v) for b, v in by_batch.items())
 
 
+def bandwidth_summary(shapes: dict[str, dict[str, Any]], copy: float) -> str:
+    """The unified kernel's GB/s at the largest batch, per context, in its default launch shape
+    and its fastest, against the copy's."""
+    largest = max(int(key.split("x")[0]) for key in shapes)
+    rows = []
+    for key, row in shapes.items():
+        if key.startswith(f"{largest}x") and "error" not in row:
+            best = max((n for n in row if n.endswith("_gbs")), key=row.get)
+            rows.append(f"{key.split('x')[1]} keys {row['unified_gbs']:.0f} GB/s (fastest: "
+                        f"{best.removesuffix('_gbs')}, {row[best]:.0f})")
+    return f"batch {largest}: " + ", ".join(rows) + f"; a copy {copy:.0f} GB/s"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "./gpu-results"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--batches", default="1,4,16,32", type=ints)
+    # The throughput workload's batch first: its compiles differ from the others', and the
+    # check's limit, if reached, cuts the small batches' split counts instead.
+    parser.add_argument("--batches", default="256,1,4,16,32", type=ints)
     # 1,000: a last tile that is partial, and a last block too.
     parser.add_argument("--contexts", default="256,1000,4096", type=ints)
     parser.add_argument("--splits", default="2,4,8,16", type=ints)
@@ -130,6 +184,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shapes": {}}
     failed = False
     with torch.inference_mode():
+        report["copy_gbs"] = copy_gbs(ns)   # first: the limit may stop the shapes part way
         for batch in ns.batches:
             for context in ns.contexts:
                 key = f"{batch}x{context}"
@@ -144,6 +199,7 @@ def main() -> int:
                     json.dump(report, f, indent=2)
     logger.info("split-KV against unified (%s, %s): %s", report["timing"], ns.dtype,
                 summary(report["shapes"]))
+    logger.info("unified kernel's reads: %s", bandwidth_summary(report["shapes"], report["copy_gbs"]))
     return 1 if failed else 0
 
 

@@ -23,6 +23,8 @@ Writes DIR/workloads.json and prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -82,6 +84,30 @@ def cpu_seconds(stat_path: str) -> float:
     with open(stat_path) as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def full_collections():
+    """Counts the garbage collector's full collections in the block and their milliseconds (a
+    dict filled as it ends): each walks the whole heap with the GIL held, a step's stall. The
+    offline LLM does not freeze its heap (treadle/gc_freeze.py); this says what that costs."""
+    times: list[float] = []
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started[:] = [time.perf_counter()]
+            elif started:
+                times.append(time.perf_counter() - started[0])
+
+    result: dict[str, float] = {}
+    gc.callbacks.append(callback)
+    try:
+        yield result
+    finally:
+        gc.callbacks.remove(callback)
+        result |= {"count": len(times), "ms": sum(times) * 1e3, "max_ms": max(times, default=0) * 1e3}
 
 
 def sync(device: str) -> None:
@@ -148,7 +174,8 @@ def throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
 
 def run_throughput(ns: argparse.Namespace, folder: str,
                    engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The throughput requests through each engine: `{name}_s` and `{name}_output_tok_s`."""
+    """The throughput requests through each engine: `{name}_s`, `{name}_output_tok_s` and
+    `{name}_full_gc` (full collections in the run)."""
     path, prompts, outputs = throughput_requests(ns, folder)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outputs]
     result: dict[str, Any] = {"requests": len(prompts), "output_tokens": sum(outputs)}
@@ -157,11 +184,13 @@ def run_throughput(ns: argparse.Namespace, folder: str,
             llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)   # warm-up
             sync(ns.device)
             start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            sync(ns.device)
+            with full_collections() as collections:
+                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                sync(ns.device)
             elapsed = time.perf_counter() - start
             memory = graph_memory(llm)
-        result |= {f"{name}_s": elapsed, f"{name}_output_tok_s": sum(outputs) / elapsed}
+        result |= {f"{name}_s": elapsed, f"{name}_output_tok_s": sum(outputs) / elapsed,
+                   f"{name}_full_gc": collections}
         if memory is not None:
             result[f"{name}_graph_pool_mib"] = memory
     return result
@@ -460,7 +489,8 @@ def main() -> int:
             summary = "; ".join(f"{k} {v['identical']}/{v['of']}" for k, v in part.items() if k != "part_s")
         elif name == "throughput":
             summary = (f"{part['treadle_output_tok_s']:.0f} output tok/s, {part['requests']} requests; "
-                       f"async scheduling {part['async_output_tok_s']:.0f}")
+                       f"async scheduling {part['async_output_tok_s']:.0f}; full gc "
+                       f"{part['async_full_gc']['count']} ({part['async_full_gc']['ms']:.0f} ms)")
             if (pool := part.get("treadle_graph_pool_mib")) is not None:
                 summary += (f"; graphs {pool['captured']:.0f} MiB ({pool['profiled']:.0f} profiled), "
                             f"captured in {pool['capture_s']:.1f}s")

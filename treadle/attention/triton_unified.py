@@ -153,13 +153,15 @@ def _unified_attention_kernel(
 
 def unified_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                      query_start: torch.Tensor, scale: float) -> None:
+                      query_start: torch.Tensor, scale: float, tile_n: int = TILE_N,
+                      num_warps: int | None = None, num_stages: int | None = None) -> None:
     """Attention for sequences laid out one after another in q.
 
     out, q: [num_tokens, Hq, D] (any strides); k_cache, v_cache: [num_blocks, block_size,
     Hkv, D], last dim contiguous; block_table: [num_seqs, max_blocks] int32; seq_lens:
     [num_seqs] int32, cached tokens plus the chunk; query_start: [num_seqs + 1] int32, the
-    chunks' first rows.
+    chunks' first rows. `tile_n`, `num_warps` and `num_stages` (Triton's defaults where None)
+    are the launch's shape: benchmarks/gpu/decode_attention.py times the choices on a GPU.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_table.shape[0]
@@ -167,6 +169,8 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     group = num_heads // num_kv_heads
     block_m, block_q, head_dim_pad = tile_sizes(group, head_dim)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    launch = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages))
+              if value is not None}
     _unified_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, seq_lens, query_start,
         scale * LOG2E, num_seqs,
@@ -174,4 +178,4 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=TILE_N, FP32_DOT=dot_in_fp32(q.dtype))
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, FP32_DOT=dot_in_fp32(q.dtype), **launch)

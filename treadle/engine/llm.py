@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from treadle.config import EngineArgs
 from treadle.core.stats import SchedulerStats
 from treadle.engine.input_processor import PromptType
+from treadle.gc_freeze import frozen_while_running
 from treadle.engine.llm_engine import LLMEngine
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind, SamplingParams
@@ -167,6 +168,11 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        with frozen_while_running():   # no walk of the whole heap mid-run (gc_freeze.py)
+            return self._run_frozen(prompts, params_list, priorities, use_tqdm)
+
+    def _run_frozen(self, prompts: list[PromptType], params_list: list[SamplingParams],
+                    priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         if self.engine.core.asleep:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         # Tokenize and validate everything first, so one bad prompt adds none of the others.

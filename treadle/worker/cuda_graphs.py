@@ -200,6 +200,8 @@ class DecodeGraphs:
             forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # Only this thread's calls are checked: a connector's thread may synchronize its own
+        # stream while a weight update recaptures, which the global mode would refuse.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = forward()
         return graph, out

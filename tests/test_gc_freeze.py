@@ -100,6 +100,46 @@ def test_an_llm_freezes_the_heap_only_while_generate_runs(llama):
             gc.unfreeze()
 
 
+def test_generate_calls_in_a_loop_leave_no_garbage_for_good(llama, monkeypatch):
+    """Each freeze sets the collector's counts to zero, and frozen garbage comes back in the
+    oldest generation: without a collection of the young generations first, and of the whole
+    heap once a minute, calls with little between them would keep a dropped cycle for good."""
+    import time
+    import weakref
+
+    from treadle import gc_freeze
+
+    class Node:
+        pass
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    generations: list[int] = []
+
+    def record(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    with LLM(llama, num_kv_blocks=64) as llm:
+        for overdue in (False, True):
+            if overdue:
+                monkeypatch.setattr(gc_freeze, "_last_full_collection",
+                                    time.monotonic() - gc_freeze.FULL_COLLECTION_EVERY_S - 1)
+            gc.collect()   # counts at zero: nothing collects by itself before the call
+            node = Node()
+            node.cycle = node
+            alive = weakref.ref(node)
+            del node
+            generations.clear()
+            gc.callbacks.append(record)
+            try:
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+            finally:
+                gc.callbacks.remove(record)
+            assert alive() is None   # collected as the call began, not frozen and given back
+            assert generations[0] == (2 if overdue else 1), generations
+        assert time.monotonic() - gc_freeze._last_full_collection < 60
+
+
 def test_freezing_leaves_later_cycles_collectable_and_unfreezes_at_exit():
     script = textwrap.dedent("""
         import atexit, gc

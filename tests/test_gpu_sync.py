@@ -8,6 +8,7 @@ logprobs equal theirs. On the CPU the same code is the suite's."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -54,10 +55,13 @@ def run(path: str, device: str, backend: str, strict: bool, deferred: bool = Fal
              **shared_gpu(device)) as llm:
         runner = llm.engine.core.executor.worker.runner
         assert runner.allow_deferred_steps() if deferred else not runner.defer_steps
+        if deferred and device == "cuda":   # deferred steps run on the engine's thread, no other
+            assert not [t for t in threading.enumerate() if t.name.startswith("treadle-worker")]
         execute = runner.execute_model
-        steps = []
+        steps, threads = [], set()
 
         def checked(scheduler_output):
+            threads.add(threading.get_ident())
             if strict:
                 torch.cuda.set_sync_debug_mode("error")
             try:
@@ -71,6 +75,8 @@ def run(path: str, device: str, backend: str, strict: bool, deferred: bool = Fal
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     # Chunked prefill (a 40-token prompt over 32-token steps), decodes, both in one step.
     assert len(steps) > 10 and max(steps) == 32
+    if deferred:   # they wait for nothing, so the engine runs them itself (executor/uniproc.py)
+        assert threads == {threading.get_ident()}
     ref = PretrainedReference(path)
     assert list(outs[0].outputs[0].token_ids) == ref.greedy(PROMPTS[0], 12)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)

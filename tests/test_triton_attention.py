@@ -599,7 +599,8 @@ def test_a_lone_worker_process_on_cuda_defers_by_itself_and_matches_transformers
 
 def test_the_decode_attention_benchmark_dry_runs_on_the_interpreter(tmp_path):
     """benchmarks/gpu/decode_attention.py as check.sh runs it, but interpreted on the CPU at
-    tiny shapes: every split count checked against the unified kernel, and timed."""
+    tiny shapes: every split count, and past --max-split-batch every launch shape of the
+    unified kernel, checked against the unified kernel's default, and timed."""
     import json
     import subprocess
     import sys
@@ -608,12 +609,17 @@ def test_the_decode_attention_benchmark_dry_runs_on_the_interpreter(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "benchmarks/gpu/decode_attention.py", "--device", "cpu",
                            "--batches", "1,2", "--contexts", "40", "--splits", "3", "--reps", "1",
-                           "--out", str(tmp_path)],
+                           "--max-split-batch", "1", "--out", str(tmp_path)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     shapes = json.loads((tmp_path / "decode_attention.json").read_text())["shapes"]
     assert set(shapes) == {"1x40", "2x40"}
-    assert all(set(row) == {"unified_us", "unified_gbs", "split3_us"} for row in shapes.values()), shapes
+    from benchmarks.gpu.decode_attention import UNIFIED_VARIANTS
+
+    assert set(shapes["1x40"]) == {"unified_us", "unified_gbs", "split3_us"}, shapes
+    # Past --max-split-batch: no split, the unified kernel in each launch shape, checked first.
+    assert set(shapes["2x40"]) == {f"{name}_{unit}" for name in ["unified", *UNIFIED_VARIANTS]
+                                   for unit in ("us", "gbs")}, shapes
     *_, splits, reads = proc.stderr.strip().splitlines()
     assert splits.startswith("split-KV against unified"), proc.stderr
     assert reads.startswith("unified kernel's reads: batch 2: 40 keys"), proc.stderr

@@ -60,19 +60,36 @@ def collect_frozen_garbage() -> None:
         gc.freeze()
 
 
+# A loop of generate calls with little between them would never reach a full collection (each
+# freeze sets the collector's counts back to zero), so a call makes one first where none of them
+# has for this long: 100-200 ms a minute at most.
+FULL_COLLECTION_EVERY_S = 60.0
+_last_full_collection = time.monotonic()   # by frozen_while_running
+
+
 @contextlib.contextmanager
 def frozen_while_running() -> Iterator[None]:
     """Leave every object there is now out of collections until the block ends, then give them
     back: a full collection in a long run (LLM.generate) walks only what the run made.
 
-    A full collection while frozen counts only the unfrozen objects as the heap's size, so the
-    first one after the block is due soon and walks everything: a call has at most that one
-    walk of the whole heap, where unfrozen it had one every time the heap grew by a quarter.
-    Cycles from before the block wait for it. Where objects are frozen already (this module in
-    a serving process, or the user's own freeze), they are theirs to undo: nothing is done."""
-    if gc.get_freeze_count():
+    What was frozen goes back to the oldest generation as the block ends, young garbage
+    included, and only a full collection frees it from there. So the young generations are
+    collected first (milliseconds), and the whole heap where FULL_COLLECTION_EVERY_S has passed
+    since a call last did. A full collection while frozen counts only the unfrozen objects as
+    the heap's size, so the first one after the block walks everything, once, when the
+    collector's counts next call for it. Where objects are frozen already (this module in a
+    serving process, or the user's own freeze), they are theirs to undo, and nothing is done;
+    a freeze made by another thread while the block runs is undone with it."""
+    global _last_full_collection
+    if gc.get_freeze_count():   # walks the frozen list: paid only where something froze it
         yield
         return
+    now = time.monotonic()
+    if now - _last_full_collection > FULL_COLLECTION_EVERY_S:
+        gc.collect()
+        _last_full_collection = now
+    else:
+        gc.collect(1)
     gc.freeze()
     try:
         yield

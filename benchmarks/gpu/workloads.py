@@ -89,8 +89,10 @@ def cpu_seconds(stat_path: str) -> float:
 @contextlib.contextmanager
 def full_collections():
     """Counts the garbage collector's full collections in the block and their milliseconds (a
-    dict filled as it ends): each walks the whole heap with the GIL held, a step's stall. The
-    offline LLM does not freeze its heap (treadle/gc_freeze.py); this says what that costs."""
+    dict filled as it ends): unfrozen, each walks the whole heap with the GIL held, a step's
+    stall. LLM.generate freezes the heap while it runs (treadle/gc_freeze.py), so these walk
+    only what the run made; this shows what is left. This process's only: a worker process
+    (mp) froze its own heap at start-up."""
     times: list[float] = []
     started: list[float] = []
 

@@ -1,16 +1,21 @@
 """Executor with a single worker in this process (CPU, or one GPU).
 
-With async scheduling, steps run on one worker thread, in the order they were submitted, so the
-engine can schedule the next step while this one computes (torch releases the GIL in its ops).
-Every other call to the worker goes through the same thread, after the steps before it, and the
-worker is built there too: each thread that runs torch's parallel CPU ops gets an OpenMP team of
-its own, and a second, idle team (the loader's) makes libgomp stop spinning at barriers
-(engine/core_thread.py has the measurement).
+On the CPU with async scheduling, steps run on one worker thread, in the order they were
+submitted, so the engine can schedule the next step while this one computes (torch releases the
+GIL in its ops). Every other call to the worker goes through the same thread, after the steps
+before it, and the worker is built there too: each thread that runs torch's parallel CPU ops gets
+an OpenMP team of its own, and a second, idle team (the loader's) makes libgomp stop spinning at
+barriers (engine/core_thread.py has the measurement).
 
-On a GPU with async scheduling, a step's sampled tokens stay on the device until the
-next step is queued behind it (worker/deferred_step.py): the worker returns the step deferred,
-and its StepFuture has the worker thread finish it when the engine asks for its output, unless
-the next step already has.
+On a GPU with async scheduling, a step's sampled tokens stay on the device until the next step
+is queued behind it (worker/deferred_step.py): the worker returns the step deferred, having
+waited for nothing, and its StepFuture finishes it when the engine asks for its output, unless
+the next step already has. Deferred steps run on the engine's own thread: the device computes
+beside the engine already, and a worker thread would only hand each step over and back and
+share the GIL with it (on the H200, async scheduling with the steps on a thread made a step at
+256 requests 19% longer than none). Where the runner cannot defer (n-gram drafts, a KV
+connector), a step waits for its tokens, so it runs on a worker thread, and the engine
+schedules the next one meanwhile.
 
 The worker shares this process, so its failures are raised where they happen, as their own
 type, and leave no failure state here: a failed step ends the engine (EngineCore turns any
@@ -35,16 +40,17 @@ from treadle.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def __init__(self, config: TreadleConfig) -> None:
-        if config.device.startswith("cpu"):
+        cpu = config.device.startswith("cpu")
+        if cpu:
             keep_freed_memory()   # before the worker thread's first allocation picks its arena
-        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="treadle-worker")
-                        if config.scheduler.async_scheduling else None)
+        self._thread = _worker_thread() if config.scheduler.async_scheduling and cpu else None
         super().__init__(config)
 
     def _start_workers(self, config: TreadleConfig) -> list[int]:
         self.worker = self._on_worker_thread(_build_worker, config)
-        if self._thread is not None and config.device.startswith("cuda"):
-            self.worker.runner.allow_deferred_steps()
+        if (config.scheduler.async_scheduling and config.device.startswith("cuda")
+                and not self.worker.runner.allow_deferred_steps()):
+            self._thread = _worker_thread()   # its steps wait for their tokens: see the module
         return [self._on_worker_thread(self.worker.determine_num_blocks)]
 
     def _on_worker_thread(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -54,14 +60,22 @@ class UniProcExecutor(Executor):
 
     def _execute_model(self, scheduler_output: SchedulerOutput,
                        non_block: bool) -> ModelRunnerOutput | StepFuture:
-        if self._thread is None:
-            return self.worker.execute_model(scheduler_output)
+        if self._thread is None or self.worker.runner.defer_steps:
+            # On this thread (deferred steps wait for nothing: see the module).
+            out = self.worker.execute_model(scheduler_output)
+            if not isinstance(out, DeferredStep):
+                return out
+            if not non_block:
+                return self._finish_deferred(out)
+            returned: Future = Future()
+            returned.set_result(out)
+            return StepFuture(returned, self._finish_deferred)
         future = StepFuture(self._thread.submit(self.worker.execute_model, scheduler_output),
                             self._finish_deferred)
         return future if non_block else future.result()
 
     def _finish_deferred(self, step: DeferredStep) -> ModelRunnerOutput:
-        return self._thread.submit(self.worker.runner.finish_deferred, step).result()
+        return self.worker.runner.finish_deferred(step)   # where deferred steps run: this thread
 
     def _warm_grammar(self, params: StructuredOutputsParams) -> None:
         """Nothing to do: the worker shares this process's grammar backend, whose cache the
@@ -85,7 +99,7 @@ class UniProcExecutor(Executor):
 
 class StepFuture:
     """A step's output to come: the worker's, or, where the worker deferred the step, its
-    finished output (the worker thread finishes it on the first ask, unless the next step did)."""
+    finished output (finished on the first ask, unless the next step did)."""
 
     def __init__(self, submitted: Future, finish: Callable[[DeferredStep], ModelRunnerOutput]) -> None:
         self._submitted, self._finish = submitted, finish
@@ -95,6 +109,10 @@ class StepFuture:
         if isinstance(out, DeferredStep):
             return out.output if out.output is not None else self._finish(out)
         return out
+
+
+def _worker_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="treadle-worker")
 
 
 def _build_worker(config: TreadleConfig) -> Worker:

@@ -38,7 +38,54 @@ EXPECTED_SKIPS = (NEEDS_GPU,)
 _skips: list[tuple[str, str]] = []   # (test id, reason)
 
 
+# The slowest test files, slowest first (seconds in one process on 2 cores, Nov 30). `make test`
+# hands whole files (--dist loadfile) to whichever of its two workers is free, in collection
+# order: these start early and the short files fill in at the end, so that neither worker is
+# left alone with a long file at the end while the other has nothing to do. Left to itself,
+# xdist takes the files with the most tests first, and a long file of one test (such as the
+# kernels' portability check) came last. The rest keep their alphabetical order.
+SLOWEST_FILES = (
+    "test_parallel.py",                   # 321
+    "test_kv_parallel.py",                # 199
+    "test_structured_outputs.py",         # not timed alone; its 3 slowest tests took 89 in CI
+    "test_triton_attention.py",           # 106
+    "test_kernel_portability.py",         # 99
+    "test_ray_executor.py",               # 97
+    "test_console.py",                    # 97
+    "test_correctness.py",                # 87
+    "test_quantization.py",               # 70
+    "test_async_scheduling.py",           # 67
+    "test_malloc.py",                     # 66
+    "test_gguf_quantization.py",          # 62
+    "test_grammar_after_reasoning.py",    # 61
+    "test_grammar_stop_ids.py",           # 54
+    "test_exactness.py",                  # 49
+    "test_server.py",                     # 47
+    "test_server_structured.py",          # 45
+    "test_bad_words.py",                  # 43
+    "test_rl_examples.py",                # 41
+    "test_loader.py",                     # 41
+    "test_gemma.py",                      # 41
+    "test_llm_api.py",                    # 40
+    "test_ruled_out.py",                  # 39
+    "test_bench.py",                      # 39
+    "test_rl_controls.py",                # 38
+    "test_kv_interleavings.py",           # 36
+    "test_chat_cli.py",                   # 35
+    "test_request_fields.py",             # 33
+    "test_kv_redis.py",                   # 33
+    "test_cli.py",                        # 30
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):   # xdist: keep SLOWEST_FILES' order
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: a file's order kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason=NEEDS_GPU)

@@ -73,7 +73,8 @@ def smollm2_prompts(smollm2_path):
 
 async def _generate_with_pauses(engine: AsyncLLM, prompts: list[list[int]], max_tokens: int,
                                 pause_after: tuple[int, ...]) -> list[list[int]]:
-    """Pause (keep, clear the cache) whenever request 0 reaches one of `pause_after` tokens."""
+    """Pause (keep, clear the cache) whenever request 0 reaches one of `pause_after` tokens (or
+    passes it: a stream that lags takes several steps' tokens in one output)."""
     params = greedy(max_tokens)
     pauses: list[asyncio.Task] = []
 
@@ -87,7 +88,7 @@ async def _generate_with_pauses(engine: AsyncLLM, prompts: list[list[int]], max_
         tokens: list[int] = []
         async for out in engine.generate({"prompt_token_ids": prompts[i]}, params, request_id=str(i)):
             tokens = out.outputs[0].token_ids
-            if i == 0 and len(tokens) in pause_after and len(pauses) < len(pause_after):
+            if i == 0 and len(pauses) < len(pause_after) and len(tokens) >= pause_after[len(pauses)]:
                 pauses.append(asyncio.create_task(pause_then_resume()))
         return tokens
 

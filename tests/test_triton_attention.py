@@ -110,9 +110,9 @@ def write_kv_skips_padding(device_name: str) -> bool:
 
 
 def unified_launch_shapes(device_name: str) -> dict[str, float]:
-    """The unified kernel at other keys per tile (benchmarks/gpu/decode_attention.py times
-    them on a GPU) against its default tile, on decodes and a chunk over partial tiles: the
-    largest difference per tile size."""
+    """The unified kernel at other keys per tile, and with the loop that loads a tile's blocks
+    in the tile itself (benchmarks/gpu/decode_attention.py times them on a GPU), against its
+    default, on decodes and a chunk over partial tiles: the largest difference of each."""
     from treadle.attention.triton_unified import unified_attention
 
     device = torch.device(device_name)
@@ -131,8 +131,9 @@ def unified_launch_shapes(device_name: str) -> dict[str, float]:
         return out
 
     want = attend()
-    return {f"tile{tile}": (attend(tile_n=tile, num_warps=8, num_stages=2) - want).abs().max().item()
-            for tile in (16, 64)}
+    shapes = {f"tile{tile}": {"tile_n": tile, "num_warps": 8, "num_stages": 2} for tile in (16, 64)}
+    shapes["same_tile_blocks"] = {"blocks_ahead": False}
+    return {name: (attend(**launch) - want).abs().max().item() for name, launch in shapes.items()}
 
 
 def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_tokens: int,
@@ -281,7 +282,8 @@ def compile_for_sm90(dtype: str, group: int, head_dim: int, num_seqs: int,
              "FP32_DOT": dtype == "fp32"}
     kernels = [
         (triton_unified._unified_attention_kernel,
-         {**shape, "BLOCK_Q": block_q, "BLOCK_M": block_m, "num_seqs": num_seqs}),
+         {**shape, "BLOCK_Q": block_q, "BLOCK_M": block_m, "num_seqs": num_seqs,
+          "BLOCKS_AHEAD": True}),
         (triton_decode._split_decode_kernel, {**shape, "BLOCK_H": block_m}),
         (triton_decode._merge_splits_kernel,
          {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "SPLITS_PAD": 4}),
@@ -401,7 +403,8 @@ def test_interpreted_kv_write_skips_padding_slots(interpreted_kernels):
 
 def test_interpreted_unified_kernel_in_other_launch_shapes(interpreted_kernels):
     diffs = interpreted_kernels["unified_launch_shapes"]
-    assert set(diffs) == {"tile16", "tile64"} and max(diffs.values()) < FP32_TOL, diffs
+    assert set(diffs) == {"tile16", "tile64", "same_tile_blocks"}, diffs
+    assert max(diffs.values()) < FP32_TOL, diffs
 
 
 def _engine_prompts(path: str) -> tuple[list[list[int]], list[int]]:

@@ -53,7 +53,7 @@ run workloads timeout 215 "$PY" benchmarks/gpu/workloads.py --out "$OUT" \
 run fused_ops timeout 20 "$PY" benchmarks/gpu/fused_ops.py --budget-s 8 --out "$OUT"
 # When decodes should take the split-KV path: the unified kernel against 2-16 splits, batches of
 # 1-32, contexts of 256-4096, in CUDA graphs; and at 256 decodes, the unified kernel's GB/s in
-# five launch shapes against a copy's; $OUT/decode_attention.json. About 20 Triton compiles,
+# five shapes against what a copy moves; $OUT/decode_attention.json. About 20 Triton compiles,
 # the batch of 256 first.
 run decode_attention timeout 40 "$PY" benchmarks/gpu/decode_attention.py --out "$OUT"
 cat "$OUT/summary.txt"

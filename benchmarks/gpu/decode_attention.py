@@ -13,7 +13,7 @@ unified kernel reads the cache at the device's bandwidth: each row has the kerne
 bytes read over its time), beside what a device-to-device copy moves in the same run (bytes read
 and written over its time: twice what it copies). At 256 decodes of about 1,000 keys, Qwen3-0.6B
 reads about 29 GB of KV a step over its 28 layers: attention, not the weights, bounds the step.
-There the unified kernel is also timed in other launch shapes (`UNIFIED_VARIANTS`: keys per
+There the unified kernel is also timed in other shapes (`UNIFIED_VARIANTS`: the loop's, keys per
 tile, warps, pipeline stages), each checked against the default's output, to choose its default.
 
     python benchmarks/gpu/decode_attention.py --out DIR      # on the GPU (check.sh runs it)
@@ -47,13 +47,12 @@ logger = logging.getLogger("decode_attention")
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 # Past --max-split-batch (32: TritonBackend.split_max_decodes is a guess at most that) no split
 # count is timed, only the unified kernel, in its default launch shape and these.
-# Compiled for sm_90 (Triton 3.9, here), the default (32 keys a tile, 4 warps, 3 stages) keeps
-# one K/V buffer in shared memory: the block-table load ahead of K and V takes a stage of the
-# pipeline. From 5 stages there are two, so a tile's loads fly while the one before is computed
-# (docs/performance.md, "On a GPU").
-UNIFIED_VARIANTS = {"unified_tile64": {"tile_n": 64}, "unified_warps8": {"num_warps": 8},
-                    "unified_stages5": {"num_stages": 5},
-                    "unified_tile64_stages5": {"tile_n": 64, "num_stages": 5}}
+# The loop loads each tile's cache blocks a tile ahead (triton_unified.next_tile_blocks): compiled
+# for sm_90 (Triton 3.6 and 3.9, here), the default 3 stages then keep two K/V buffers in shared
+# memory, where loading them in the tile itself left one. That old loop is the first variant.
+UNIFIED_VARIANTS = {"unified_same_tile_blocks": {"blocks_ahead": False},
+                    "unified_tile64": {"tile_n": 64}, "unified_warps8": {"num_warps": 8},
+                    "unified_stages4": {"num_stages": 4}}
 # A split's output further than this from unified's, relative to unified's largest value, is
 # wrong, not rounded: outputs over thousands of keys are small, so an absolute bound would pass
 # a range left out.

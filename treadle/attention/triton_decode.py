@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from treadle.attention.triton_unified import (LOG2E, TILE_N, dot_in_fp32, load_kv_tile,
+                                              next_tile_blocks, tile_blocks,
                                               online_softmax_step, tile_sizes)
 
 
@@ -52,10 +53,13 @@ def _split_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], tl.float32)
     tables = block_table_ptr + seq.to(tl.int64) * stride_bt
+    first = start + tl.arange(0, TILE_N)
+    carried = tile_blocks(tables, first, first < end, BLOCK_SIZE)
     for tile in range(start, end, TILE_N):
         key_pos = tile + tl.arange(0, TILE_N)
         key_ok = key_pos < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims,
+        blocks, carried = next_tile_blocks(carried, tables, key_pos, end, TILE_N, BLOCK_SIZE, True)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, key_pos, key_ok, kv_head, dims,
                             dim_ok, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
                             stride_vh, BLOCK_SIZE)
         m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2,

@@ -33,12 +33,34 @@ TILE_N = 32
 
 
 @triton.jit
-def load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims, dim_ok,
+def tile_blocks(tables, key_pos, key_ok, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each key at `key_pos`, from the sequence's block table (0 where
+    masked)."""
+    return tl.load(tables + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
+
+
+@triton.jit
+def next_tile_blocks(blocks, tables, key_pos, num_keys, TILE_N: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, BLOCKS_AHEAD: tl.constexpr):
+    """(this tile's blocks, what the loop carries to the next tile). With BLOCKS_AHEAD, the loop
+    carries the next tile's blocks, loaded a tile ahead: K and V's addresses then wait on no load
+    of their own tile, and Triton's pipeliner keeps two K/V buffers at 3 stages, where
+    otherwise the block-table load takes a stage and leaves one (compiled for sm_90 with
+    Triton 3.6 and 3.9: docs/performance.md). `blocks` holds the first tile's, loaded before
+    the loop; without BLOCKS_AHEAD it is carried unchanged."""
+    if BLOCKS_AHEAD:
+        ahead = key_pos + TILE_N
+        return blocks, tile_blocks(tables, ahead, ahead < num_keys, BLOCK_SIZE)
+    return tile_blocks(tables, key_pos, key_pos < num_keys, BLOCK_SIZE), blocks
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, key_pos, key_ok, kv_head, dims, dim_ok,
                  stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                  BLOCK_SIZE: tl.constexpr):
-    """The keys at `key_pos` through the sequence's block table: K as [head_dim, keys] (ready
-    for q @ K) and V as [keys, head_dim]; zeros where a key or a feature is masked."""
-    block = tl.load(tables + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    """The keys at `key_pos`, in cache blocks `blocks` (tile_blocks): K as [head_dim, keys]
+    (ready for q @ K) and V as [keys, head_dim]; zeros where a key or a feature is masked."""
+    block = blocks.to(tl.int64)
     in_block = key_pos % BLOCK_SIZE
     k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_kp
                 + kv_head * stride_kh + dims[:, None],
@@ -105,7 +127,7 @@ def _unified_attention_kernel(
         stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, FP32_DOT: tl.constexpr):
+        TILE_N: tl.constexpr, FP32_DOT: tl.constexpr, BLOCKS_AHEAD: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
@@ -136,10 +158,13 @@ def _unified_attention_kernel(
     # Keys this block's last token sees: the context and the chunk up to that token.
     num_keys = tl.minimum(seq_len, context + (local_block + 1) * BLOCK_Q)
     tables = block_table_ptr + seq.to(tl.int64) * stride_bt
+    carried = tile_blocks(tables, tl.arange(0, TILE_N), tl.arange(0, TILE_N) < num_keys, BLOCK_SIZE)
     for start in range(0, num_keys, TILE_N):
         key_pos = start + tl.arange(0, TILE_N)
         key_ok = key_pos < num_keys
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables, key_pos, key_ok, kv_head, dims,
+        blocks, carried = next_tile_blocks(carried, tables, key_pos, num_keys, TILE_N, BLOCK_SIZE,
+                                           BLOCKS_AHEAD)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, key_pos, key_ok, kv_head, dims,
                             dim_ok, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
                             stride_vh, BLOCK_SIZE)
         causal = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
@@ -154,14 +179,16 @@ def _unified_attention_kernel(
 def unified_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       query_start: torch.Tensor, scale: float, tile_n: int = TILE_N,
-                      num_warps: int | None = None, num_stages: int | None = None) -> None:
+                      num_warps: int | None = None, num_stages: int | None = None,
+                      blocks_ahead: bool = True) -> None:
     """Attention for sequences laid out one after another in q.
 
     out, q: [num_tokens, Hq, D] (any strides); k_cache, v_cache: [num_blocks, block_size,
     Hkv, D], last dim contiguous; block_table: [num_seqs, max_blocks] int32; seq_lens:
     [num_seqs] int32, cached tokens plus the chunk; query_start: [num_seqs + 1] int32, the
     chunks' first rows. `tile_n`, `num_warps` and `num_stages` (Triton's defaults where None)
-    are the launch's shape: benchmarks/gpu/decode_attention.py times the choices on a GPU.
+    are the launch's shape, and `blocks_ahead` the loop's (next_tile_blocks):
+    benchmarks/gpu/decode_attention.py times the choices on a GPU.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_table.shape[0]
@@ -178,4 +205,5 @@ def unified_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, FP32_DOT=dot_in_fp32(q.dtype), **launch)
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, FP32_DOT=dot_in_fp32(q.dtype),
+        BLOCKS_AHEAD=blocks_ahead, **launch)

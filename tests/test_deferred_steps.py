@@ -19,6 +19,7 @@ import torch
 
 from tests.family_support import PretrainedReference
 from treadle import LLM, SamplingParams
+from treadle.engine.errors import EngineDeadError
 from treadle.worker.deferred_step import DeferredStep
 
 
@@ -159,6 +160,27 @@ def test_seeded_sampling_draws_the_same_tokens_deferred_or_not(llama):
             runs.append([(list(o.outputs[0].token_ids), [sorted(lp) for lp in o.outputs[0].logprobs],
                           [sorted(lp) if lp else None for lp in o.prompt_logprobs or []]) for o in outs])
     assert runs[0] == runs[1]
+
+
+def test_a_deferred_step_that_fails_ends_the_engine_with_its_error(llama):
+    """Deferred steps run on the engine's own thread (executor/uniproc.py); a failure in one
+    comes out where the step's output is asked for, as an EngineDeadError naming it, as it did
+    from the worker thread."""
+    with LLM(llama, dtype="float32", async_scheduling=True, block_size=16, num_kv_blocks=40) as llm:
+        runner = llm.engine.core.executor.worker.runner
+        assert runner.allow_deferred_steps()
+        forward, calls = runner._forward, []
+
+        def failing_forward(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("the device fell over")
+            return forward(*args, **kwargs)
+
+        runner._forward = failing_forward
+        with pytest.raises(EngineDeadError, match="a model step failed: .*the device fell over"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                         SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
 
 def test_only_the_in_process_executor_on_one_rank_without_drafts_defers(llama):

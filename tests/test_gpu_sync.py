@@ -56,7 +56,7 @@ def run(path: str, device: str, backend: str, strict: bool, deferred: bool = Fal
         runner = llm.engine.core.executor.worker.runner
         assert runner.allow_deferred_steps() if deferred else not runner.defer_steps
         if deferred and device == "cuda":   # deferred steps run on the engine's thread, no other
-            assert not [t for t in threading.enumerate() if t.name.startswith("treadle-worker")]
+            assert llm.engine.core.executor._thread is None
         execute = runner.execute_model
         steps, threads = [], set()
 

@@ -62,13 +62,14 @@ class UniProcExecutor(Executor):
                        non_block: bool) -> ModelRunnerOutput | StepFuture:
         if self._thread is None or self.worker.runner.defer_steps:
             # On this thread (deferred steps wait for nothing: see the module).
-            out = self.worker.execute_model(scheduler_output)
-            if not isinstance(out, DeferredStep):
-                return out
             if not non_block:
-                return self._finish_deferred(out)
+                out = self.worker.execute_model(scheduler_output)
+                return self._finish_deferred(out) if isinstance(out, DeferredStep) else out
             returned: Future = Future()
-            returned.set_result(out)
+            try:
+                returned.set_result(self.worker.execute_model(scheduler_output))
+            except Exception as e:   # raised as its output is asked for, as from the thread
+                returned.set_exception(e)
             return StepFuture(returned, self._finish_deferred)
         future = StepFuture(self._thread.submit(self.worker.execute_model, scheduler_output),
                             self._finish_deferred)

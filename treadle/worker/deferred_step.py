@@ -13,8 +13,8 @@ slots whose request left meanwhile (`drop`): a new tenant's tokens are its own. 
 so it finishes N after its own forward pass is queued and before it samples (not for a grammar
 still waiting for the end of the reasoning: worker/grammar.py masks its row on the device).
 The executor hands the engine N's output when finished (executor/uniproc.py's StepFuture);
-everything runs on the worker thread. Steps that verify drafts are never deferred: the proposer
-reads host tokens.
+everything runs on the engine's thread, the device computing beside it. Steps that verify
+drafts are never deferred: the proposer reads host tokens.
 """
 
 from __future__ import annotations

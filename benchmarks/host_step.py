@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.gpu.workloads import QWEN3_06B, TINY, build_model, random_prompts  # noqa: E402
+from benchmarks.gpu.workloads import (QWEN3_06B, TINY, build_model, random_prompts,  # noqa: E402
+                                      throughput_prompts)
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.core import kv_cache_manager, scheduler  # noqa: E402
 from treadle.engine import output_processor  # noqa: E402
@@ -80,10 +81,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = build_model("Qwen3", shape, folder, dtype)
         if ns.throughput_shape:
-            ns.requests = 256
-            prompts = random_prompts(256, (100, 1024), shape["vocab_size"], seed=2)
-            lengths = torch.randint(100, 1025, (256,),
-                                    generator=torch.Generator().manual_seed(3)).tolist()
+            prompts, lengths = throughput_prompts(shape["vocab_size"])
+            ns.requests = len(prompts)
         else:
             prompts = random_prompts(ns.requests, (20, 40), shape["vocab_size"], seed=2)
             lengths = [ns.tokens] * ns.requests

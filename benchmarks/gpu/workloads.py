@@ -159,12 +159,18 @@ def exactness(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
 
 def throughput_requests(ns: argparse.Namespace, folder: str):
     """The throughput model (built once per run, in `folder`), its prompts and output lengths."""
-    shape, path = TINY if ns.small else QWEN3_06B, qwen3_model(ns, folder)
-    n, lengths = (16, (10, 60)) if ns.small else (256, (100, 1024))
-    prompts = random_prompts(n, lengths, shape["vocab_size"], seed=2)
+    shape = TINY if ns.small else QWEN3_06B
+    return (qwen3_model(ns, folder), *throughput_prompts(shape["vocab_size"], ns.small))
+
+
+def throughput_prompts(vocab: int, small: bool = False) -> tuple[list[list[int]], list[int]]:
+    """The throughput workload's prompts and output lengths: 256 requests, both lengths uniform
+    in [100, 1024] (16 in [10, 60] with `small`)."""
+    n, lengths = (16, (10, 60)) if small else (256, (100, 1024))
+    prompts = random_prompts(n, lengths, vocab, seed=2)
     outputs = torch.randint(lengths[0], lengths[1] + 1, (n,),
                             generator=torch.Generator().manual_seed(3)).tolist()
-    return path, prompts, outputs
+    return prompts, outputs
 
 
 def throughput(ns: argparse.Namespace, folder: str) -> dict[str, Any]:

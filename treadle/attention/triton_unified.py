@@ -158,7 +158,8 @@ def _unified_attention_kernel(
     # Keys this block's last token sees: the context and the chunk up to that token.
     num_keys = tl.minimum(seq_len, context + (local_block + 1) * BLOCK_Q)
     tables = block_table_ptr + seq.to(tl.int64) * stride_bt
-    carried = tile_blocks(tables, tl.arange(0, TILE_N), tl.arange(0, TILE_N) < num_keys, BLOCK_SIZE)
+    first = tl.arange(0, TILE_N)
+    carried = tile_blocks(tables, first, first < num_keys, BLOCK_SIZE)
     for start in range(0, num_keys, TILE_N):
         key_pos = start + tl.arange(0, TILE_N)
         key_ok = key_pos < num_keys

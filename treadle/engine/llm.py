@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 from treadle.config import EngineArgs
 from treadle.core.stats import SchedulerStats
 from treadle.engine.input_processor import PromptType
-from treadle.gc_freeze import frozen_while_running
 from treadle.engine.llm_engine import LLMEngine
+from treadle.gc_freeze import frozen_while_running
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind, SamplingParams
 

@@ -13,6 +13,7 @@ import asyncio
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -541,6 +542,73 @@ def test_abuse_never_500(server, client):
     assert server.request("GET", "/is_paused")[1] == {"is_paused": False}
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
     wait_until_no_block_is_used(server)
+
+
+# Half a UTF-16 surrogate pair: JSON lets a string hold one, and pydantic keeps it. Where the
+# text goes to the tokenizer it was a 400 already; where a response echoes it back (or every
+# later response: weight_version) nothing can encode it (a helper's hunt found these 500s).
+HALF_PAIR = [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"k": "\\ud800"}}',
+     "`kv_transfer_params.k` is not valid Unicode text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+     b'"stream": true, "tools": [{"type": "function", "function": {"name": "\\ud800"}}], '
+     b'"tool_choice": {"type": "function", "function": {"name": "\\ud800"}}}',
+     "`tools.0.function.name` is not valid Unicode text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+     b'"bad_words": ["\\ud800"]}', "`bad_words.0` is not valid Unicode text"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "\\udc00": 1}',
+     "`\\udc00` is not valid Unicode text"),
+]
+
+
+def test_half_a_surrogate_pair_is_a_400_naming_the_field(server, client, llama):
+    for path, raw, message in HALF_PAIR:
+        status, body = server.request("POST", path, raw=raw)
+        assert status == 400 and message in body["error"]["message"], (raw, status, body)
+    # A label every later response carries: refused before the weights load, so that no
+    # response fails for it afterwards.
+    status, body = server.request("POST", "/update_weights_from_disk", raw=(
+        b'{"path": "%s", "weight_version": "v\\ud800"}' % llama.encode()))
+    assert status == 400 and "weight_version" in body["error"]["message"], body
+    assert server.request("GET", "/weight_version")[0] == 200
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+    wait_until_no_block_is_used(server)
+
+
+def test_a_corrupt_checkpoint_is_a_400_naming_the_file(server, client, llama, tmp_path):
+    for damage in (lambda b: b[:1000], lambda b: b"\x13" * 5000):
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(llama, bad)
+        weights = bad / "model.safetensors"
+        weights.write_bytes(damage(weights.read_bytes()))
+        status, body = server.request("POST", "/update_weights_from_disk", {"path": str(bad)})
+        assert status == 400 and f"{weights} is not a valid safetensors file" in body["error"]["message"], body
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+
+
+def test_sampling_values_float32_cannot_hold_are_refused_or_harmless(server):
+    """The sampler works in float32: a temperature past its largest value, or a repetition
+    penalty far from 1, made NaN probabilities and token 0 every step, constraints ignored;
+    a top_p below its smallest value rounded to 0 and dropped even the top token."""
+    def sample(**fields):
+        return server.request("POST", "/v1/completions", {
+            "prompt": list(range(100, 200)), "max_tokens": 6, "seed": 1, "logprobs": 0, **fields})
+
+    for field, value in (("temperature", 1e39), ("repetition_penalty", 1e-300),
+                         ("repetition_penalty", 1e300)):
+        status, body = sample(**{field: value})
+        assert status == 400 and f"{field} must be" in body["error"]["message"], body
+    status, body = sample(temperature=1.0, top_p=1e-300)
+    assert status == 200, body
+    greedy = sample(temperature=0)[1]
+    assert body["choices"][0]["logprobs"]["tokens"] == greedy["choices"][0]["logprobs"]["tokens"]
+
+
+def test_stream_options_without_stream_is_a_400(server):
+    status, body = server.request("POST", "/v1/completions", {
+        "prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert status == 400, body
+    assert "stream_options can only be set when `stream` is true" in body["error"]["message"]
 
 
 def scrape(server: Server) -> dict[tuple[str, tuple[str, ...]], float]:

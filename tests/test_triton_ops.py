@@ -357,11 +357,14 @@ def test_the_gpu_benchmark_dry_runs_on_the_interpreter(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ops = json.loads((tmp_path / "fused_ops.json").read_text())["ops"]
+    few_rows = {"add_norm_qkv", "add_norm_gate_up", "silu_mul_down", "linear_o", "linear_head"}
     assert set(ops) == {"rms_norm", "add_rms_norm", "qk_head_norm", "silu_and_mul", "rope",
-                        "qk_norm_rope", "write_kv", "qk_norm_rope_kv"}
-    for row in (result["1"] for result in ops.values()):
-        assert row["max_err_triton"] < BF16_TOL and row["compile_us"] == "skipped: out of time", row
-        assert row["eager_us"] > 0 and row["triton_us"] > 0, row
+                        "qk_norm_rope", "write_kv", "qk_norm_rope_kv"} | few_rows
+    for name, result in ops.items():
+        row = result["1"]
+        assert row["max_err_triton"] < BF16_TOL and row["eager_us"] > 0 and row["triton_us"] > 0, row
+        # The few-row linears (triton_gemv.py) race the triton backend's path, not torch.compile.
+        assert row.get("compile_us") == (None if name in few_rows else "skipped: out of time"), row
     assert proc.stderr.strip().splitlines()[-1].startswith("fastest over [1] tokens"), proc.stderr
 
 

@@ -19,6 +19,10 @@ from treadle.structured_output.params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it.
 LOGIT_BIAS_LIMIT = 100.0
+FLOAT32_MAX = 3.4028234663852886e38
+# Keeps |logit| * penalty and |logit| / penalty finite in float32 for any logit a model makes;
+# penalties in use lie within [0.5, 2].
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 class RequestOutputKind(enum.Enum):
@@ -40,6 +44,15 @@ def _is_int(x: Any) -> bool:
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_unicode(text: str) -> bool:
+    """False where `text` holds a lone surrogate, which UTF-8 (and so a tokenizer) cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _describe(x: Any) -> str:
@@ -99,7 +112,10 @@ class SamplingParams:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         self.n = self._int("n", self.n, minimum=1)
-        self.temperature = self._real("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        # The sampler divides by it in float32: past float32's largest it is inf, and NaNs follow.
+        self.temperature = self._real("temperature", self.temperature,
+                                      f">= 0 and at most {FLOAT32_MAX:.3g} (float32's largest)",
+                                      lambda v: 0 <= v <= FLOAT32_MAX)
         self.top_p = self._real("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
@@ -109,8 +125,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, self._real(name, getattr(self, name), "in [-2, 2]",
                                            lambda v: -2 <= v <= 2))
-        self.repetition_penalty = self._real("repetition_penalty", self.repetition_penalty, "> 0",
-                                             lambda v: v > 0)
+        # Logits are divided or multiplied by it in float32: far from 1 they overflow.
+        self.repetition_penalty = self._real(
+            "repetition_penalty", self.repetition_penalty,
+            f"> 0, in [{REPETITION_PENALTY_RANGE[0]:g}, {REPETITION_PENALTY_RANGE[1]:g}]",
+            lambda v: REPETITION_PENALTY_RANGE[0] <= v <= REPETITION_PENALTY_RANGE[1])
         if self.max_tokens is not None:
             self.max_tokens = self._int("max_tokens", self.max_tokens, minimum=1,
                                         rule="an integer >= 1 or None")
@@ -144,6 +163,9 @@ class SamplingParams:
                     isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be a list of non-blank strings or None, got "
                                  f"{_describe(self.bad_words)}")
+            for word in self.bad_words:   # each is tokenized: half a surrogate pair cannot be
+                if not _is_unicode(word):
+                    raise ValueError(f"bad_words: {word!r} is not valid Unicode text")
             self.bad_words = list(self.bad_words)
         self.output_kind = self._output_kind(self.output_kind)
         self.logit_bias = self._logit_bias(self.logit_bias)

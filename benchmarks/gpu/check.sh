@@ -46,11 +46,13 @@ run memory_profile timeout 45 "$PY" -m pytest -q -rfE -m gpu tests/test_memory_p
 # Issue 45's workloads (exactness, latency, profile, throughput, serving where the wheels are,
 # transformers' throughput): $OUT/workloads.json. On the triton backend: its kernels, fused ops
 # and decode CUDA graphs are the GPU engine.
-run workloads timeout 215 "$PY" benchmarks/gpu/workloads.py --out "$OUT" \
+run workloads timeout 200 "$PY" benchmarks/gpu/workloads.py --out "$OUT" \
     --engine '{"attention_backend": "triton"}' ${WORKLOAD_PARTS:+--parts "$WORKLOAD_PARTS"}
 # Issue 45's choice for the norms, SiLU-and-mul and RoPE: eager, torch.compile or Triton, timed;
-# $OUT/fused_ops.json. torch.compile stops starting at 8 s, so the times so far are written.
-run fused_ops timeout 20 "$PY" benchmarks/gpu/fused_ops.py --budget-s 8 --out "$OUT"
+# then the few-row linears with those ops fused in (models/triton_gemv.py) against the path they
+# would replace, at one token; $OUT/fused_ops.json. torch.compile stops starting at 8 s, and
+# the file is written after every op, so a run cut short keeps what it timed.
+run fused_ops timeout 35 "$PY" benchmarks/gpu/fused_ops.py --budget-s 8 --out "$OUT"
 # When decodes should take the split-KV path: the unified kernel against 2-16 splits, batches of
 # 1-32, contexts of 256-4096, in CUDA graphs; and at 256 decodes, the unified kernel's GB/s in
 # five shapes against what a copy moves; $OUT/decode_attention.json. About 20 Triton compiles,

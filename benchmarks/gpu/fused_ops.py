@@ -36,18 +36,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 logger = logging.getLogger("fused_ops")
 
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM, EPS = 1024, 3072, 16, 8, 128, 1e-6
+VOCAB = 151936
 IMPLS = ("eager", "compile", "triton")
 # A Triton output further than this from eager's (|diff| / (|eager| + 1)) is wrong, not
 # rounded otherwise: a bf16 ulp is 2**-7 of the value at most.
 MAX_ERR = 2e-2
 
 
-def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, Callable]]:
-    """name -> (inputs(tokens), eager, triton): eager is the model's own torch path, triton the
-    op meant to replace it; both take inputs(tokens)'s tuple."""
+def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
+    """name -> (inputs(tokens), eager, triton[, options]): eager is the model's own torch path
+    (for the few-row linears, the triton backend's path today), triton the op meant to replace
+    it; both take inputs(tokens)'s tuple. options: "max_tokens" (the op is timed up to it) and
+    "compile" (False: no torch.compile entry)."""
     from treadle.attention.backend import KVTarget
     from treadle.attention.triton_kv_write import write_kv
-    from treadle.models import triton_ops
+    from treadle.models import triton_gemv, triton_ops
     from treadle.models.llama import RMSNorm
     from treadle.models.rope import RotaryEmbedding, apply_rope
 
@@ -102,6 +105,39 @@ def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callab
                                        (v, KVTarget(cache[0], cache[1], slots)))
         return q, k, cache
 
+    # Few-row linears with the op before them in one launch (models/triton_gemv.py), against
+    # what the triton backend's path runs today: the Triton norm or activation, then torch's
+    # linear (cuBLAS). Only at a few rows (GEMV_TOKENS).
+    def weight(n: int, k: int) -> torch.Tensor:
+        if device.type != "cuda":   # interpreted, a dry run: a slice of the outputs
+            n = min(n, 32)
+        return (torch.randn(n, k, generator=gen) * k ** -0.5).to(device=device, dtype=dtype)
+
+    w_qkv, w_gate_up = weight(qkv_width, HIDDEN), weight(2 * INTERMEDIATE, HIDDEN)
+    w_o, w_down = weight(HIDDEN, Q_HEADS * HEAD_DIM), weight(HIDDEN, INTERMEDIATE)
+    w_head = weight(VOCAB, HIDDEN)
+
+    def add_norm_linear(w: torch.Tensor) -> tuple[Callable, Callable, Callable]:
+        def today(x, r):
+            x, r = triton_ops.fused_add_rms_norm(x, r, norm.weight, EPS)
+            return nn.functional.linear(x, w), r
+
+        return ((lambda t: (randn(t, HIDDEN), randn(t, HIDDEN))), today,
+                lambda x, r: triton_gemv.add_norm_gemv(x, r, norm.weight, EPS, w))
+
+    def linear(w: torch.Tensor) -> tuple[Callable, Callable, Callable]:
+        return ((lambda t: (randn(t, w.shape[1]),)), lambda x: nn.functional.linear(x, w),
+                lambda x: triton_gemv.gemv(x, w))
+
+    gemv_ops = {
+        "add_norm_qkv": add_norm_linear(w_qkv),
+        "add_norm_gate_up": add_norm_linear(w_gate_up),
+        "silu_mul_down": ((lambda t: (randn(t, 2 * INTERMEDIATE),)),
+                          lambda gu: nn.functional.linear(triton_ops.silu_and_mul(gu), w_down),
+                          lambda gu: triton_gemv.silu_mul_gemv(gu, w_down)),
+        "linear_o": linear(w_o),
+        "linear_head": linear(w_head),
+    }
     return {
         "rms_norm": (lambda t: (randn(t, HIDDEN),), norm,
                      lambda x: triton_ops.rms_norm(x, norm.weight, EPS)),
@@ -124,6 +160,9 @@ def make_ops(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callab
                      lambda v, cache, slots, k: eager_write_kv(k, v, cache, slots),
                      lambda v, cache, slots, k: (write_kv(k, v, cache[0], cache[1], slots), cache)[1]),
         "qk_norm_rope_kv": (kv_inputs, eager_qk_norm_rope_kv, triton_qk_norm_rope_kv),
+        # last: torch.compile's budget is spent on the ops above first
+        **{name: op + ({"max_tokens": triton_gemv.MAX_ROWS, "compile": False},)
+           for name, op in gemv_ops.items()},
     }
 
 
@@ -174,13 +213,17 @@ def run_op(name: str, op: tuple, ns: argparse.Namespace, deadline: float) -> dic
     """One op at every token count: the Triton output against eager's, then each
     implementation's time per call launched from Python and, on a GPU, replayed in a CUDA
     graph (a failed capture is written, not raised); torch.compile is skipped past `deadline`."""
-    inputs, eager, triton_fn = op
+    inputs, eager, triton_fn = op[:3]
+    options = op[3] if len(op) > 3 else {}
     fns = {"eager": eager, "triton": triton_fn}
-    if "compile" in ns.impls:
+    impls = [i for i in IMPLS if i in ns.impls and (i != "compile" or options.get("compile", True))]
+    if "compile" in impls:
         # Shapes as the model's: static for one token, then one dynamic graph for the rest.
         fns["compile"] = torch.compile(eager)
     result: dict[str, Any] = {}
     for tokens in ns.tokens:
+        if tokens > options.get("max_tokens", tokens):
+            continue
         args = inputs(tokens)
         # In-place ops get fresh copies for the check, and the same buffers while timed.
         fresh = lambda: tuple(a.clone() for a in args)  # noqa: E731
@@ -188,7 +231,7 @@ def run_op(name: str, op: tuple, ns: argparse.Namespace, deadline: float) -> dic
         if row["max_err_triton"] > MAX_ERR:
             raise ValueError(f"{name} at {tokens} tokens: Triton is {row['max_err_triton']:.3g} "
                              "from eager")
-        for impl in (i for i in IMPLS if i in ns.impls):
+        for impl in impls:
             if impl == "compile" and time.perf_counter() > deadline:
                 row["compile_us"] = "skipped: out of time"
                 continue
@@ -207,6 +250,8 @@ def run_op(name: str, op: tuple, ns: argparse.Namespace, deadline: float) -> dic
 def choice(result: dict[str, Any], impls: list[str], suffix: str) -> str:
     """The implementation fastest over all token counts by the times `{impl}{suffix}`, its
     speed-up over eager, and those left out of the race (a compile skipped at some size)."""
+    if not result:
+        return "not timed at these token counts"
     totals = {}
     for impl in impls:
         times = [row.get(f"{impl}{suffix}") for row in result.values()]

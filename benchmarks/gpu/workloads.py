@@ -9,7 +9,8 @@ Parts:
 - exactness: SmolLM2-135M's shape in fp32, greedy, token-identical to transformers on the same
   device: plain, chunked prefill, preemption, prefix hits, async scheduling, n-gram drafts.
 - latency: batch 1, a 128-token prompt and 256 output tokens; TPOT against the floor (weight
-  bytes over a device-to-device copy's bandwidth measured here).
+  bytes over a device-to-device copy's bandwidth measured here); with async scheduling, and
+  with the few-row linears (models/triton_gemv.py).
 - profile: torch.profiler over decode steps at batch 16: the top kernels and the host's share.
 - throughput: Qwen3-0.6B's shape in bf16, 256 requests, input and output lengths uniform in
   [100, 1024], ignore_eos (nano-vllm's shape).
@@ -33,6 +34,7 @@ import tempfile
 import time
 import traceback
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -365,6 +367,11 @@ def latency(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     if ns.eager:
         variants["eager"] = ns.engine | {"enforce_eager": True}
     result: dict[str, Any] = {name: batch1(ns, path, engine) for name, engine in variants.items()}
+    # Each norm in the launch of the projection after it, and SiLU-and-mul in the down
+    # projection's (models/triton_gemv.py): three launches a layer fewer, on the triton backend.
+    from treadle.models.triton_gemv import ENV
+    with mock.patch.dict(os.environ, {ENV: "1"}):
+        result["few_row_linears"] = batch1(ns, path, ns.engine)
     weight_bytes = safetensors_data_bytes(path)
     bandwidth = copy_bandwidth(ns.device, 256 << 20 if ns.small else 2 << 30)
     floor = weight_bytes / bandwidth
@@ -517,7 +524,8 @@ def main() -> int:
             summary = (f"TPOT {part['default']['tpot_ms']:.2f} ms (graphs: "
                        f"{part['default']['cuda_graphs']}), floor {part['floor_ms']:.2f} ms "
                        f"({part['tpot_over_floor']:.2f}x), TTFT {part['default']['ttft_ms']:.1f} ms")
-            summary += f"; async TPOT {part['async']['tpot_ms']:.2f} ms"
+            summary += (f"; async TPOT {part['async']['tpot_ms']:.2f} ms; few-row linears "
+                        f"TPOT {part['few_row_linears']['tpot_ms']:.2f} ms")
             if "eager" in part:
                 summary += f"; eager TPOT {part['eager']['tpot_ms']:.2f} ms"
         else:

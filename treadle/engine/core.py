@@ -22,7 +22,7 @@ from treadle.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, S
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
 from treadle.engine.weight_transfer import WeightTransfer, update_info_of
-from treadle.engine.weights import ServedWeights
+from treadle.engine.weights import ServedWeights, check_label
 from treadle.engine.worker_restart import restart_refusal, restart_workers
 from treadle.executor.base import WorkerFailedError
 from treadle.executor.factory import create_executor
@@ -278,6 +278,7 @@ class EngineCore:
         """Copy (transformers name, tensor) pairs into the model in place; a subset is fine.
         Given a weight-transfer request instead ({"update_info": {...}} or an object with
         .update_info), receive that part of a round from the trainer; returns the count."""
+        check_label(weight_version)
         update_info = update_info_of(named_tensors)
         if update_info is not None:
             self._check_transfer_quiet("update_weights")
@@ -292,6 +293,7 @@ class EngineCore:
         A Hub id is resolved here, once, to its snapshot folder: the folder is what a worker
         restart reloads and what the served weights' identity is stamped from.
         """
+        check_label(weight_version)
         path = resolve_model(path)
         return self._change_weights("load_weights", path,
                                     lambda: self.weights.loaded(path, weight_version))
@@ -329,6 +331,7 @@ class EngineCore:
 
     def finish_weight_update(self, weight_version: Any = None) -> int:
         """Apply everything received since start_weight_update, on every rank at once."""
+        check_label(weight_version)
         self._check_transfer_quiet("finish_weight_update")
         self.drain()
         self._wait_for_kv_transfers()   # no load may land KV of the old weights after it

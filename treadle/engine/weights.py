@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,16 @@ from typing import Any, Iterable
 import torch
 
 CHECKPOINT_IDENTITY = "checkpoint"
+
+
+def check_label(label: Any) -> None:
+    """A weight_version goes out with every output, in JSON: refuse one that cannot (a lone
+    surrogate in a string, a value JSON has no form for) before any weight changes."""
+    try:
+        json.dumps(label, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as e:   # UnicodeEncodeError is a ValueError
+        raise ValueError(f"weight_version {label!r} must be JSON text (valid Unicode, finite "
+                         f"numbers): {e}") from None
 
 
 @dataclass(frozen=True)

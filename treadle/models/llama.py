@@ -87,8 +87,11 @@ class Attention(nn.Module):
                                    sliding_window)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), cos, sin, kv_cache, meta)
+
+    def attend(self, qkv, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer's attention from its fused q/k/v projection [tokens, q + 2 kv]."""
+        t = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.use_triton:
             from treadle.models import triton_ops
@@ -163,6 +166,11 @@ def dense_mlp(config, index: int, ctx: ParallelContext) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
+    # Each norm in the launch of the projection after it, and SiLU-and-mul in the down
+    # projection's, at a few rows (models/triton_gemv.py): set by use_triton_ops where the
+    # layer's parts are the plain ones those launches stand for.
+    few_row_linears = False
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp: nn.Module,
                  ctx: ParallelContext, sliding_window: int | None = None) -> None:
         super().__init__()
@@ -178,10 +186,36 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
+            if self.few_row_linears:
+                from treadle.models import triton_gemv
+                if triton_gemv.serves(x.shape[0], self.self_attn.qkv_proj.weight):
+                    return self._few_rows(x, residual, cos, sin, kv_cache, meta)
             residual, x = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(x, cos, sin, kv_cache, meta)
         residual, x = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
+
+    def _few_rows(self, x, residual, cos, sin, kv_cache, meta):
+        """forward's arithmetic in three launches fewer (few_row_linears)."""
+        from treadle.models import triton_gemv
+        attn, mlp = self.self_attn, self.mlp
+        norm, qkv_proj = self.input_layernorm, attn.qkv_proj
+        qkv, residual = triton_gemv.add_norm_gemv(x, residual, norm.weight, norm.eps,
+                                                  qkv_proj.weight, qkv_proj.bias)
+        x = attn.attend(qkv, cos, sin, kv_cache, meta)
+        norm, gate_up_proj, down_proj = self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj
+        gate_up, residual = triton_gemv.add_norm_gemv(x, residual, norm.weight, norm.eps,
+                                                      gate_up_proj.weight, gate_up_proj.bias)
+        return triton_gemv.silu_mul_gemv(gate_up, down_proj.weight, down_proj.bias), residual
+
+    def takes_few_row_linears(self) -> bool:
+        """Whether the fused launches compute this layer: Llama's norms, a dense MLP with no
+        all-reduce after its down projection, and no weight-only quantization."""
+        linears = (self.self_attn.qkv_proj, getattr(self.mlp, "gate_up_proj", None),
+                   getattr(self.mlp, "down_proj", None))
+        return (type(self.input_layernorm) is type(self.post_attention_layernorm) is RMSNorm
+                and type(self.mlp) is MLP
+                and all(type(lin) is Linear and lin.quantized is None for lin in linears))
 
 
 class DecoderModel(nn.Module):
@@ -370,12 +404,16 @@ class LlamaForCausalLM(nn.Module):
         if self.is_packed:
             self.pack_weights()
 
-    def use_triton_ops(self) -> None:
+    def use_triton_ops(self, few_row_linears: bool = False) -> None:
         """Run the norms, the residual adds, RoPE and the activation through the Triton kernels
-        (models/triton_ops.py): the path of attention_backend 'triton'."""
+        (models/triton_ops.py): the path of attention_backend 'triton'. With few_row_linears,
+        the layers that can take them fuse those ops into their projections at a few rows
+        (models/triton_gemv.py)."""
         for module in self.modules():
             if hasattr(module, "use_triton"):
                 module.use_triton = True
+            if isinstance(module, DecoderLayer):
+                module.few_row_linears = few_row_linears and module.takes_few_row_linears()
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)

@@ -282,15 +282,18 @@ def iter_hf_weights(model_path: str, hf_config: PretrainedConfig | None = None
 
 
 def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder!r}")
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name).float()
+        try:   # a truncated or foreign file: bad input, named (a 400 over HTTP), not a crash
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).float()
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a valid safetensors file: {e}") from None
 
 
 # llama.cpp tensor names -> transformers names: per layer, then global.

@@ -111,7 +111,8 @@ class ModelRunner(WeightControls):
         if self.native_kernels:
             self.model.use_cpu_kernels()
         if self.attention.name == "triton":   # its ops take over the norms, RoPE, activation
-            self.model.use_triton_ops()
+            from treadle.models import triton_gemv
+            self.model.use_triton_ops(few_row_linears=triton_gemv.enabled())
         self.model.pack_weights()
         if self.model.is_packed:
             warm = time.perf_counter()

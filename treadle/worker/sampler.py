@@ -452,9 +452,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
     ps = to_device(top_p, logits.device, logits.dtype)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
+    # Drop a token once the mass strictly before it already reaches top_p; the first always
+    # stays, even where a top_p below float32's smallest rounds to 0.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= ps[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill((mass_before >= ps[:, None]) & (ranks > 0),
+                                              float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

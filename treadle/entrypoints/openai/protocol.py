@@ -12,6 +12,7 @@ value that changes nothing. Anything else is an unknown field, also refused
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
@@ -35,12 +36,42 @@ class OpenAIModel(BaseModel):
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         """OpenAI's API takes null as "not set" ("n": null, "stream": null); where a field
-        cannot hold None, that means its default."""
+        cannot hold None, that means its default. Text must be valid Unicode: JSON lets a
+        string hold half a surrogate pair ("\\ud800"), which no tokenizer takes and no
+        response can carry back (a field echoed in every response would fail all of them)."""
         if not isinstance(data, dict):
             return data
+        if (where := lone_surrogate_at(data)) is not None:
+            # The path may hold the surrogate (a key): escaped, or the message cannot be sent.
+            where = where.encode("utf-8", "backslashreplace").decode()
+            raise ValueError(f"`{where}` is not valid Unicode text: it holds half of a UTF-16 "
+                             "surrogate pair")
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)}
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (a key or a value) in decoded JSON that holds a lone
+    surrogate, or None. (A pair in JSON decodes to one character above U+FFFF.)"""
+    if isinstance(value, str):
+        return (path or "value") if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return where
+        if (found := lone_surrogate_at(item, where)) is not None:
+            return found
+    return None
 
 
 def unexpected_field(model: BaseModel, path: str = "") -> tuple[str, str] | None:
@@ -147,6 +178,13 @@ class SamplingFields(OpenAIModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: the logprob of every prompt token after the first, with the top N (not streamed).
     prompt_logprobs: Int64 | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_only_when_streamed(self) -> SamplingFields:
+        # Refused as vLLM does: a client asking for usage in chunks would get none.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when `stream` is true")
+        return self
 
     unsupported = {"use_beam_search": (False,), "length_penalty": (1, 1.0),
                    "logits_processors": ([],),

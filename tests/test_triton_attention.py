@@ -109,6 +109,44 @@ def write_kv_skips_padding(device_name: str) -> bool:
     return torch.equal(cache, expected)
 
 
+def rows_past_two_to_the_31(device_name: str) -> dict[str, bool]:
+    """A step whose token rows lie 2**27 elements apart (q, out and k: strided views into
+    buffers of about 8.6 GB of address space each, a few pages touched), so that the 17th row
+    starts at element 2**31 of its view: each kernel must reach it with a 64-bit offset, not
+    wrap 2**32 elements back (to zeros here). A helper's fuzz found
+    both wrapping; an engine step reaches it in one prefill of some 466k tokens of a 7B model
+    with 1M positions (its q a view of the fused qkv output)."""
+    from treadle.attention.triton_kv_write import write_kv
+    from treadle.attention.triton_unified import unified_attention
+
+    device = torch.device(device_name)
+    tokens, dim, row, base = 17, 16, 2 ** 27, 2 ** 32
+    gen = torch.Generator().manual_seed(0)
+
+    def tall(values: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(base + (tokens - 1) * row + dim, dtype=torch.float16, device=device)
+        buf[2 ** 31:2 ** 31 + dim] = 0   # where row 16 lands if its offset wraps
+        view = buf.as_strided((tokens, 1, dim), (row, dim, 1), base)
+        view.copy_(values)
+        return view
+
+    q = tall(torch.randn(tokens, 1, dim, generator=gen).half())
+    out = tall(torch.zeros(tokens, 1, dim).half())
+    k_cache, v_cache = torch.randn(2, 1, 32, 1, dim, generator=gen).half().to(device)
+    unified_attention(out, q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32, device=device),
+                      torch.tensor([tokens], dtype=torch.int32, device=device),
+                      torch.tensor([0, tokens], dtype=torch.int32, device=device), dim ** -0.5)
+    scores = (q[:, 0].float() @ k_cache[0, :tokens, 0].float().T) * dim ** -0.5
+    scores = scores.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool, device=device).triu(1),
+                                float("-inf"))
+    want = torch.softmax(scores, -1) @ v_cache[0, :tokens, 0].float()
+    k = tall(torch.randn(tokens, 1, dim, generator=gen).half())
+    caches = torch.zeros(2, 2, 16, 1, dim, dtype=torch.float16, device=device)
+    write_kv(k, k, caches[0], caches[1], torch.arange(tokens, dtype=torch.int32, device=device))
+    return {"unified_attention": bool(torch.allclose(out[:, 0].float(), want, atol=2e-3)),
+            "write_kv": torch.equal(caches[0].view(-1, 1, dim)[:tokens], k)}
+
+
 def unified_launch_shapes(device_name: str) -> dict[str, float]:
     """The unified kernel at other keys per tile, and with the loop that loads a tile's blocks
     in the tile itself (benchmarks/gpu/decode_attention.py times them on a GPU), against its
@@ -376,6 +414,7 @@ def interpreted_kernels() -> dict:
     calls += [("compare_case", [case, "bfloat16", "cpu"]) for case in BF16_CASES]
     calls.append(("write_kv_skips_padding", ["cpu"]))
     calls.append(("unified_launch_shapes", ["cpu"]))
+    calls.append(("rows_past_two_to_the_31", ["cpu"]))
     results = _interpreted(calls)
     return {tuple(args[:2]) if name == "compare_case" else name: r
             for (name, args), r in zip(calls, results)}
@@ -395,6 +434,11 @@ def test_interpreted_kernels_match_the_torch_backend(interpreted_kernels, case):
 def test_interpreted_kernels_in_bf16(interpreted_kernels, case):
     result = interpreted_kernels[(case, "bfloat16")]
     assert result["cache_equal"] and result["max_diff"] < BF16_TOL, result
+
+
+def test_interpreted_kernels_reach_rows_past_two_to_the_31_elements(interpreted_kernels):
+    assert interpreted_kernels["rows_past_two_to_the_31"] == {"unified_attention": True,
+                                                             "write_kv": True}
 
 
 def test_interpreted_kv_write_skips_padding_slots(interpreted_kernels):

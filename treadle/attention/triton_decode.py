@@ -31,7 +31,7 @@ def _split_decode_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, TILE_N: tl.constexpr,
         FP32_DOT: tl.constexpr):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -81,7 +81,7 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_splits,
                          stride_lt, stride_lh,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          SPLITS_PAD: tl.constexpr):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)

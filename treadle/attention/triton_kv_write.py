@@ -14,7 +14,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                      NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)   # times a row stride: past 2**31 elements in long steps
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:   # a padding token (vLLM's convention): nothing to write
         return

@@ -147,7 +147,7 @@ def _unified_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
 
-    q_rows = q_start + q_idx
+    q_rows = (q_start + q_idx).to(tl.int64)   # times a row stride: past 2**31 elements in long steps
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
                 + dims[None, :] * stride_qd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)

@@ -23,7 +23,8 @@ EPS = 1e-6
 FP32_TOL = 1e-5   # |got - ref| / (|ref| + 1), over sums of up to 600 products
 BF16_TOL = 1e-2   # one bf16 rounding the other way
 # (rows, out features, in features, bias): odd sizes leave masked tails in both directions.
-CASES = [(1, 40, 64, False), (3, 37, 96, True), (4, 70, 600, False), (2, 19, 1100, True)]
+CASES = [(1, 40, 64, False), (3, 37, 96, True), (4, 70, 600, False), (2, 19, 1100, True),
+         (1, 9, 520, False)]
 
 
 def compare(dtype: str, device: str) -> list[dict]:
@@ -39,7 +40,10 @@ def compare(dtype: str, device: str) -> list[dict]:
         def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dt)
 
-        x, r, gate_up = randn(rows, k), randn(rows, k), randn(rows, 2 * k)
+        # Row slices of wider buffers, each its own row stride: the kernel must read each
+        # tensor by its own (a reviewer's find: reading the residual by x's passed).
+        x, r = randn(rows, k + 3)[:, 1:k + 1], randn(rows, k + 8)[:, :k]
+        gate_up = randn(rows, 2 * k + 5)[:, 2:2 * k + 2]
         w, bias = randn(n, k, scale=k ** -0.5), randn(n) if has_bias else None
         norm = RMSNorm(k, EPS).to(device=device, dtype=dt)
         norm.weight.data = randn(k)

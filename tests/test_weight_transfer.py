@@ -130,6 +130,15 @@ def test_one_worker(llama, reference, prompts, original_weights, trainer_for):
         trainer.transfer(llm, seed=None, how="itself")
         assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == \
             [o.outputs[0].token_ids for o in first]
+        # A label every later response carries must be text JSON can hold: refused before
+        # anything is received (a reviewer's find: served, it made every response a 500), and
+        # the round dropped as for any refused part.
+        version = llm.get_weight_version()
+        llm.start_weight_update()
+        with pytest.raises(ValueError, match="update_info.weight_version 'v\\\\ud800' must be JSON text"):
+            llm.update_weights({"update_info": {"names": [], "dtype_names": [], "shapes": [],
+                                                "weight_version": "v\ud800"}})
+        assert llm.get_weight_version() == version
 
 
 # -- two pipeline stages: the bad transfers ---------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 from treadle.config import WeightTransferConfig
 from treadle.distributed.weight_transfer import InitInfo, UpdateInfo
 from treadle.engine.errors import EngineDeadError
+from treadle.engine.weights import check_label
 from treadle.executor.base import Executor
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class WeightTransfer:
         self._check_round(executor, "update_weights")
         try:
             info = UpdateInfo.parse(update_info)
+            check_label(info.weight_version, "update_info.weight_version")
             executor.collective_rpc("check_weight_update", (update_info,))
         except EngineDeadError:
             raise

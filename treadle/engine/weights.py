@@ -28,13 +28,14 @@ import torch
 CHECKPOINT_IDENTITY = "checkpoint"
 
 
-def check_label(label: Any) -> None:
-    """A weight_version goes out with every output, in JSON: refuse one that cannot (a lone
-    surrogate in a string, a value JSON has no form for) before any weight changes."""
+def check_label(label: Any, field: str = "weight_version") -> None:
+    """A weight_version goes out with every output, in the server's JSON: refuse one whose
+    text cannot be (half a surrogate pair in a string, NaN) before any weight changes. Other
+    objects (a numpy integer, a date) stay fine offline, as their text."""
     try:
-        json.dumps(label, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        json.dumps(label, ensure_ascii=False, allow_nan=False, default=str).encode("utf-8")
     except (TypeError, ValueError) as e:   # UnicodeEncodeError is a ValueError
-        raise ValueError(f"weight_version {label!r} must be JSON text (valid Unicode, finite "
+        raise ValueError(f"{field} {label!r} must be JSON text (valid Unicode, finite "
                          f"numbers): {e}") from None
 
 

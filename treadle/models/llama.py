@@ -209,13 +209,13 @@ class DecoderLayer(nn.Module):
         return triton_gemv.silu_mul_gemv(gate_up, down_proj.weight, down_proj.bias), residual
 
     def takes_few_row_linears(self) -> bool:
-        """Whether the fused launches compute this layer: Llama's norms, a dense MLP with no
-        all-reduce after its down projection, and no weight-only quantization."""
+        """Whether the fused launches compute this layer: Llama's norms, and a dense MLP with
+        no all-reduce after its down projection. (They read each Linear's `weight`, which holds
+        the model a weight-only quantized copy computes.)"""
         linears = (self.self_attn.qkv_proj, getattr(self.mlp, "gate_up_proj", None),
                    getattr(self.mlp, "down_proj", None))
         return (type(self.input_layernorm) is type(self.post_attention_layernorm) is RMSNorm
-                and type(self.mlp) is MLP
-                and all(type(lin) is Linear and lin.quantized is None for lin in linears))
+                and type(self.mlp) is MLP and all(type(lin) is Linear for lin in linears))
 
 
 class DecoderModel(nn.Module):

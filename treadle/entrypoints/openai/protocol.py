@@ -36,42 +36,61 @@ class OpenAIModel(BaseModel):
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         """OpenAI's API takes null as "not set" ("n": null, "stream": null); where a field
-        cannot hold None, that means its default. Text must be valid Unicode: JSON lets a
-        string hold half a surrogate pair ("\\ud800"), which no tokenizer takes and no
-        response can carry back (a field echoed in every response would fail all of them)."""
+        cannot hold None, that means its default."""
         if not isinstance(data, dict):
             return data
-        if (where := lone_surrogate_at(data)) is not None:
-            # The path may hold the surrogate (a key): escaped, or the message cannot be sent.
-            where = where.encode("utf-8", "backslashreplace").decode()
-            raise ValueError(f"`{where}` is not valid Unicode text: it holds half of a UTF-16 "
-                             "surrogate pair")
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)}
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_TEXT_OR_CONTAINER = (str, dict, list)
+
+
+class RequestBody(OpenAIModel):
+    """A request's root model. Its whole decoded JSON is checked once for valid Unicode: JSON
+    lets a string hold half a surrogate pair ("\\ud800"), which no tokenizer takes and no
+    response can carry back (a field echoed in every response would fail all of them). The
+    models inside are validated from the same, already checked, data."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := lone_surrogate_at(data)) is not None:
+            # The path may hold the surrogate (a key): escaped, or the message cannot be sent.
+            where = where.encode("utf-8", "backslashreplace").decode()
+            raise ValueError(f"`{where}` is not valid Unicode text: it holds half of a UTF-16 "
+                             "surrogate pair")
+        return data
+
+
+def _surrogate_path(value: Any) -> list | None:
+    """The keys to the first lone surrogate in `value` (innermost first), or None. No string
+    is built per element, and a list of numbers (token ids) is passed over in one C call."""
+    if isinstance(value, str):
+        return [] if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    else:
+        if not any(issubclass(t, _TEXT_OR_CONTAINER) for t in set(map(type, value))):
+            return None
+        items = enumerate(value)
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return [key]
+        if isinstance(item, _TEXT_OR_CONTAINER) and (found := _surrogate_path(item)) is not None:
+            found.append(key)
+            return found
+    return None
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:
     """The dotted path of the first string (a key or a value) in decoded JSON that holds a lone
     surrogate, or None. (A pair in JSON decodes to one character above U+FFFF.)"""
-    if isinstance(value, str):
-        return (path or "value") if _SURROGATE.search(value) else None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
+    if not isinstance(value, _TEXT_OR_CONTAINER) or (found := _surrogate_path(value)) is None:
         return None
-    for key, item in items:
-        where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and _SURROGATE.search(key):
-            return where
-        if (found := lone_surrogate_at(item, where)) is not None:
-            return found
-    return None
+    return ".".join(([path] if path else []) + [str(k) for k in reversed(found)]) or "value"
 
 
 def unexpected_field(model: BaseModel, path: str = "") -> tuple[str, str] | None:
@@ -126,7 +145,7 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """The sampling fields completions and chat share (vLLM's extras included)."""
 
     model: str | None = None
@@ -285,7 +304,7 @@ class ChatCompletionRequest(SamplingFields):
                    "verbosity": (), "media_io_kwargs": ()}
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -300,12 +319,12 @@ class TokenizeRequest(OpenAIModel):
     unsupported = {"chat_template": (), "return_token_strs": (False,), "mm_processor_kwargs": ({},)}
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[Int64]
 
 
-class UpdateWeightsRequest(OpenAIModel):
+class UpdateWeightsRequest(RequestBody):
     path: str
     weight_version: Any = None
 

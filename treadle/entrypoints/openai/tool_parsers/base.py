@@ -11,6 +11,20 @@ class ParsedCall:
     name: str
     arguments: str   # JSON text
 
+    def __post_init__(self) -> None:
+        # Parsed from the model's JSON, a string may hold half a surrogate pair (the model
+        # wrote "\ud800"), which no response can carry: back to the escape it was written as.
+        self.name, self.arguments = valid_unicode(self.name), valid_unicode(self.arguments)
+
+
+def valid_unicode(text: str) -> str:
+    """`text`, with any lone surrogate written as its escape (`\\ud800`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
 
 class ToolCallStream(ABC):
     """Fed a choice's text as it grows; hands back what can be sent."""

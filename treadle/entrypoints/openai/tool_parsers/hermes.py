@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import re
 
-from treadle.entrypoints.openai.tool_parsers.base import ParsedCall, ToolCallStream, ToolParser
+from treadle.entrypoints.openai.tool_parsers.base import (ParsedCall, ToolCallStream, ToolParser,
+                                                         valid_unicode)
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)
@@ -24,6 +25,8 @@ def _call(body: str) -> ParsedCall | None:
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if valid_unicode(obj["name"]) != obj["name"]:   # no tool's name: left in the content
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))

@@ -141,6 +141,17 @@ def test_gguf_content_key_refuses_a_broken_file(tmp_path):
             gguf_content_key(str(tmp_path / f"{name}.gguf"))
 
 
+def test_a_gguf_cut_short_is_refused_naming_it(tmp_path):
+    """Its header reads, and its tensors run past its end (gguf's reader fails to shape them):
+    a ValueError naming the file (a 400 from /update_weights_from_disk), found by a reviewer
+    as a bare "cannot reshape array"."""
+    good = _write_gguf(tmp_path / "good.gguf", ["a"], np.zeros((64, 16), dtype=np.float32))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(good, "rb").read()[:-100])
+    with pytest.raises(ValueError, match=f"model '{cut}' is not a readable GGUF file: cannot reshape"):
+        loader._gguf_reader(loader._file_key(str(cut)))
+
+
 def test_cache_cli_lists_and_cleans(tmp_path):
     """`treadle cache list / clean [--gguf | --kernels]`, run as a user would."""
     def cache(*args: str) -> str:

@@ -134,8 +134,9 @@ def _gguf_config(key: tuple[str, int, int]) -> PretrainedConfig:
     from transformers import AutoConfig
 
     path = key[0]
+    reader = _gguf_reader(key)   # first: it names the file when the file is damaged
     config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return complete_gguf_config(config, _gguf_reader(key))
+    return complete_gguf_config(config, reader)
 
 
 @functools.lru_cache(maxsize=4)
@@ -375,7 +376,10 @@ def _gguf_reader(key: tuple[str, int, int]) -> GGUFReader:
     # tensors themselves stay memory-mapped, so keeping a reader around costs little.
     from gguf import GGUFReader
 
-    return GGUFReader(key[0])
+    try:
+        return GGUFReader(key[0])
+    except (ValueError, struct.error, KeyError) as e:   # a truncated file's tensors past its end
+        raise ValueError(f"model {key[0]!r} is not a readable GGUF file: {e}") from None
 
 
 def _gguf_head_counts(reader: GGUFReader, hf_config: PretrainedConfig | None) -> tuple[int, int]:

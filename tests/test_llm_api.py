@@ -110,6 +110,23 @@ def test_logprobs_and_prompt_logprobs(llm, smollm2_path, reference):
     no_leaks(llm)
 
 
+def test_a_delivered_output_keeps_its_prompt_logprobs(llama):
+    """Streamed outputs during a chunked prefill: each keeps the prompt logprobs it had when
+    delivered, as it keeps its tokens, while later chunks fill in the request's own list (a
+    helper's hunt: the output processor handed out that list itself)."""
+    from treadle.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=llama, max_num_batched_tokens=8))
+    engine.add_request("r", {"prompt_token_ids": list(range(1000, 1030))},   # 4 chunks
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                      prompt_logprobs=0))
+    delivered = []
+    while engine.has_unfinished_requests():
+        delivered += [(out, list(out.prompt_logprobs)) for out in engine.step()]
+    assert None in delivered[0][1][1:], "the first output came before the prompt was scored"
+    assert all(out.prompt_logprobs == snapshot for out, snapshot in delivered)
+
+
 def test_n_samples_share_the_prompt_and_differ(llm):
     params = SamplingParams(temperature=1.0, max_tokens=8, n=4, seed=7)
     out = llm.generate("Once upon a time", params, use_tqdm=False)[0]

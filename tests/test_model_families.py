@@ -11,7 +11,7 @@ import torch
 from tests.family_support import MAX_TOKENS, TIGHT, PretrainedReference as Reference, greedy_ids
 from tests.family_support import random_prompts
 from tests.tiny_models import OTHER_ARCHS, tiny_checkpoint_dir
-from treadle import LLM
+from treadle import LLM, SamplingParams
 from treadle.models.rope import RotaryEmbedding
 
 
@@ -110,6 +110,20 @@ def test_phi3_past_the_original_context_matches_transformers(tmp_path_factory, m
         assert llm.get_stats().num_preemptions > 0
         assert generate(llm, batch[1:3]) == want[1:3]
         assert llm.get_stats().prefix_cache_hits > 0
+
+
+def test_phi3_prompt_logprobs_survive_the_restart_past_the_original_context(tmp_path_factory):
+    """A request that grows past the original context restarts with the long factors, which
+    computes its prompt again: the prompt's logprobs stay those of the prompt alone, as
+    transformers scores it, and not the restart's (a helper's hunt: off by up to 200)."""
+    path = tiny_checkpoint_dir("phi3", tmp_path_factory, tie_word_embeddings=False)
+    prompt = torch.randint(100, 20000, (250,), generator=torch.Generator().manual_seed(0)).tolist()
+    with LLM(path, dtype="float32", max_num_batched_tokens=64, block_size=16) as llm:
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                          prompt_logprobs=0), use_tqdm=False)[0]
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    assert torch.allclose(got, Reference(path).prompt_logprobs(prompt), atol=1e-3)
 
 
 def test_a_sliding_window_does_not_cap_max_model_len(tmp_path_factory):

@@ -653,6 +653,33 @@ def test_request_id_equal_to_another_requests_sample_id_is_refused(llama, prompt
     run_engine(llama, body)
 
 
+@pytest.mark.parametrize("how", ["reset_prefix_cache", "pause_keep", "pause_wait"])
+def test_an_id_reused_after_a_drain_gets_only_its_own_tokens(llama, reference, prompts, how):
+    """A drain (a cache reset with running requests, a pause) holds the step in flight's
+    outputs until the next step. A request aborted then, and a new one under its id before that
+    step, must not take the old one's held outputs: outputs go out by id (a helper's hunt; the
+    new request got the old one's first token, or all of them and a finish)."""
+    from treadle.config import EngineArgs
+    from treadle.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=llama, async_scheduling=True))
+    engine.add_request("r", {"prompt_token_ids": prompts[0]}, greedy(30))
+    for _ in range(4):
+        engine.step()
+    if how == "reset_prefix_cache":
+        assert engine.reset_prefix_cache(reset_running_requests=True)
+    else:
+        engine.core.pause(how.removeprefix("pause_"), clear_cache=False)
+    assert engine.core._pending, "the drained step's outputs wait for the next step"
+    engine.abort_request("r")
+    engine.add_request("r", {"prompt_token_ids": prompts[1]}, greedy(8))
+    engine.core.resume()
+    final = [out for _ in range(100) if engine.has_unfinished_requests()
+             for out in engine.step() if out.finished]
+    assert [out.outputs[0].token_ids for out in final] == [reference(llama).greedy(prompts[1], 8)]
+    engine.core.scheduler.kv_cache.assert_no_leaks()
+
+
 def test_aborted_delta_stream_ends_with_only_what_is_new(llama, reference, prompts):
     # Room for many steps after the abort is sent, so it lands before the request finishes.
     delta = greedy(200)

@@ -100,6 +100,12 @@ class EngineCore:
             self.scheduler.check_request(request)
             self.grammars.hold(request)
             self.executor.warm_grammar(request.sampling_params.structured_outputs)
+        if self._pending:
+            # Taken (the id was free): outputs held since a drain (a pause, a cache reset) under
+            # this id are an ended request's, which its new tenant must not take, since outputs
+            # go out by id alone (a helper's hunt). In place: pause("abort") may be extending
+            # this very list.
+            self._pending[:] = [o for o in self._pending if o.request_id != request.request_id]
 
     def add_requests(self, requests: list[Request]) -> None:
         """All of a user request's samples (n > 1), or none of them."""

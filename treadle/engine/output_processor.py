@@ -136,9 +136,13 @@ class OutputProcessor:
             if num_kept:
                 self._observe_tokens(state, num_kept, now)
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                # Each position once: a prompt computed again (a LongRoPE request past its
+                # short context restarts with the long factors) scores it otherwise, and the
+                # prompt's logprobs are of the prompt alone (a helper's hunt: off by up to 200).
                 first, entries = out.new_prompt_logprobs
                 for offset, lp in enumerate(entries):
-                    state.prompt_logprobs[first + offset] = to_logprob_dict(lp, self.token_text)
+                    if state.prompt_logprobs[first + offset] is None:
+                        state.prompt_logprobs[first + offset] = to_logprob_dict(lp, self.token_text)
             if out.new_logprobs and sample.logprobs is not None:
                 sample.logprobs += [to_logprob_dict(lp, self.token_text)
                                     for lp in out.new_logprobs[:num_kept]]
@@ -234,8 +238,9 @@ class OutputProcessor:
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason))
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids, outputs=completions,
-            finished=state.finished, prompt_logprobs=state.prompt_logprobs,
+            prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=state.finished,
+            # A copy, as the samples' lists are: later chunks fill the state's in.
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
             num_cached_tokens=state.num_cached_tokens, weight_version=self.weight_version,
             kv_transfer_params=state.kv_transfer_params)
 

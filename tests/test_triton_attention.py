@@ -188,7 +188,6 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
     from tests.deferred import record_deferred
     from treadle import LLM, SamplingParams
     from treadle.attention import triton_kv_write
-    from treadle.worker.cuda_graphs import DecodeGraphs
 
     # On the CPU's graph buffers, room for 8 requests (the runs have 3 at most) where the
     # default has 256: the unified kernel's grid spans them all (worker/mixed_graphs.py), and
@@ -206,11 +205,8 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
         runner = llm.engine.core.executor.worker.runner
         assert runner.attention.name == "triton"
         if on_graph_buffers and device_name == "cpu":
-            runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 16,
-                                         runner.slots.block_table.shape[2], runner.device,
-                                         capture=False, backend=runner.attention,
-                                         mixed_tokens=16,
-                                         max_reqs=runner.config.scheduler.max_num_seqs)
+            runner.graphs = graph_buffers(runner, 16, mixed_tokens=16,
+                                          max_reqs=runner.config.scheduler.max_num_seqs)
             if deferred:
                 runner.allow_deferred_steps()
         deferred_of_step = record_deferred(runner)
@@ -230,6 +226,27 @@ def run_engine(path: str, prompts: list[list[int]], follow_up: list[int], max_to
                    for name in ("steps", "replays", "patched")}}
 
 
+def graph_buffers(runner, max_batch: int, **kwargs):
+    """The CUDA graphs' persistent buffers for decodes of up to `max_batch` requests, run
+    eagerly: the CPU's stand-in for graphs (worker/cuda_graphs.py); kwargs go to DecodeGraphs."""
+    from treadle.worker.cuda_graphs import DecodeGraphs
+
+    return DecodeGraphs(runner.model, runner.kv_caches, max_batch, runner.slots.block_table.shape[2],
+                        runner.device, capture=False, backend=runner.attention, **kwargs)
+
+
+def together_and_alone(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, list[list[int]]]:
+    """Greedy output of the prompts in one batch, then of each alone; no KV block left held."""
+    from treadle import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+    return {"together": [o.outputs[0].token_ids for o in together],
+            "alone": [o.outputs[0].token_ids for o in alone]}
+
+
 def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens: int,
                                 device_name: str, deferred: bool = False,
                                 split_min_tokens: int | None = None) -> dict:
@@ -243,8 +260,7 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
     the untied head's GEMMs (49,152 rows) up to 2,048 rows at start-up. `split_min_tokens`:
     the backend's, so low that decodes take the split-KV path, in graphs of their own."""
     from tests.deferred import record_deferred
-    from treadle import LLM, SamplingParams
-    from treadle.worker.cuda_graphs import DecodeGraphs
+    from treadle import LLM
 
     with LLM(path, device=device_name, attention_backend="triton", dtype="float32",
              block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=128,
@@ -255,20 +271,13 @@ def run_engine_on_graph_buffers(path: str, prompts: list[list[int]], max_tokens:
             if device_name != "cpu":   # captured graphs hold the setting they were made with
                 runner.capture_graphs()
         if device_name == "cpu":
-            runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
-                                         runner.slots.block_table.shape[2], runner.device,
-                                         capture=False, backend=runner.attention)
+            runner.graphs = graph_buffers(runner, 8)
             if deferred:
                 runner.allow_deferred_steps()
         assert runner.defer_steps == deferred
         deferred_of_step = record_deferred(runner)
         graphs = runner.graphs
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
-        llm.engine.core.scheduler.kv_cache.assert_no_leaks()
-        return {"together": [o.outputs[0].token_ids for o in together],
-                "alone": [o.outputs[0].token_ids for o in alone],
+        return {**together_and_alone(llm, prompts, max_tokens),
                 "graph_steps": graphs.num_steps, "captured": sorted(graphs.graphs),
                 "split_steps": graphs.num_split_steps, "captured_split": sorted(graphs.split_graphs),
                 "deferred_steps": sum(deferred_of_step)}

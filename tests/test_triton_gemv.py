@@ -111,9 +111,9 @@ def run_engine(path: str, prompts: list[list[int]], max_tokens: int, device_name
     from unittest import mock
 
     from tests.gpu import shared_gpu
-    from treadle import LLM, SamplingParams
+    from tests.test_triton_attention import graph_buffers, together_and_alone
+    from treadle import LLM
     from treadle.models import triton_gemv
-    from treadle.worker.cuda_graphs import DecodeGraphs
 
     with mock.patch.dict(os.environ, {triton_gemv.ENV: "1"}), \
             mock.patch.object(triton_gemv, "silu_mul_gemv", wraps=triton_gemv.silu_mul_gemv) as fused, \
@@ -123,16 +123,8 @@ def run_engine(path: str, prompts: list[list[int]], max_tokens: int, device_name
         runner = llm.engine.core.executor.worker.runner
         layers = [layer for layer in runner.model.model.layers if layer.few_row_linears]
         if on_graph_buffers and device_name == "cpu":
-            runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8,
-                                         runner.slots.block_table.shape[2], runner.device,
-                                         capture=False, backend=runner.attention)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
-        llm.engine.core.scheduler.kv_cache.assert_no_leaks()
-        return {"together": [o.outputs[0].token_ids for o in together],
-                "alone": [o.outputs[0].token_ids for o in alone],
-                "fused_layers": len(layers), "layers": len(runner.model.model.layers),
+            runner.graphs = graph_buffers(runner, 8)
+        return {**together_and_alone(llm, prompts, max_tokens), "fused_layers": len(layers), "layers": len(runner.model.model.layers),
                 "fused_steps": fused.call_count,
                 "graph_steps": runner.graphs.num_steps if runner.graphs is not None else 0}
 

@@ -12,8 +12,9 @@ prologue of the GEMM after them:
 - `silu_mul_gemv`: SiLU-and-mul before the down projection.
 `gemv` is the plain product, to time against cuBLAS at these shapes (o_proj, the LM head).
 
-The prologues do triton_ops.py's arithmetic with its roundings (its `_round`), so what reaches
-the product is the unfused path's bf16 input, but for the norm's sum order. Each program takes
+The prologues are triton_ops.py's own arithmetic (its `_residual_sum`, `_rstd`, `_scale`,
+`_silu` and `_gated`), so what reaches the product is the unfused path's input, but for the
+norm's sum order. Each program takes
 BLOCK_N output features of every row and walks K in BLOCK_K slices, multiplying in fp32 on
 the CUDA cores: at a few rows the product is bound by reading the weight, not by arithmetic,
 and BLOCK_N can be as small as the grid needs (tl.dot wants 16 rows and 16 columns).
@@ -27,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.models.triton_ops import _LAUNCH, _ROUND_IN_BITS, _round
+from treadle.models.triton_ops import (_LAUNCH, _ROUND_IN_BITS, _gated, _residual_sum, _round,
+                                       _rstd, _scale, _silu)
 
 MAX_ROWS = 4   # rows a launch takes (a power of two): larger batches take cuBLAS's GEMMs
 # Until a GPU has timed them, models take these launches only where this is "1".
@@ -49,14 +51,12 @@ def _prologue(x_ptr, r_ptr, norm_w_ptr, rows, row_ok, ks, k_ok, stride_x, stride
     dtype = x_ptr.dtype.element_ty
     if PROLOGUE == 1:
         r = tl.load(r_ptr + rows[:, None] * stride_r + ks[None, :], mask=mask, other=0.0)
-        h = _round(x.to(tl.float32) + r.to(tl.float32), dtype, IN_BITS).to(tl.float32)
+        h = _residual_sum(x, r, dtype, IN_BITS).to(tl.float32)
         w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        a = _round(_round(h * rstd[:, None], dtype, IN_BITS).to(tl.float32) * w, dtype, IN_BITS)
+        a = _scale(h, rstd[:, None], w, dtype, dtype, False, IN_BITS)
     elif PROLOGUE == 2:
-        gate = x.to(tl.float32)
         up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
-        act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
-        a = _round(_round(act, dtype, IN_BITS).to(tl.float32) * up, dtype, IN_BITS)
+        a = _gated(_silu(x.to(tl.float32)), up, dtype, IN_BITS)
     else:
         a = x
     return a.to(tl.float32)
@@ -85,13 +85,12 @@ def _gemv_kernel(x_ptr, r_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
             mask = row_ok[:, None] & (ks < K)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
             r = tl.load(r_ptr + rows[:, None] * stride_r + ks[None, :], mask=mask, other=0.0)
-            h = _round(x.to(tl.float32) + r.to(tl.float32), dtype, IN_BITS)
+            h = _residual_sum(x, r, dtype, IN_BITS)
             tl.store(res_out_ptr + rows[:, None] * K + ks[None, :], h,
                      mask=writes[:, None] & (ks < K)[None, :])
             h = h.to(tl.float32)
             sum_sq += tl.sum(h * h, axis=1)
-        mean = tl.math.div_rn(sum_sq, K + 0.0)
-        rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))
+        rstd = _rstd(sum_sq, eps, K)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)

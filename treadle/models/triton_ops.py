@@ -50,18 +50,49 @@ def _round(x, dtype: tl.constexpr, IN_BITS: tl.constexpr):
 
 
 @triton.jit
-def _normalize(h, w_ptr, cols, col_ok, eps, D: tl.constexpr, in_dtype: tl.constexpr,
-               out_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, IN_BITS: tl.constexpr):
-    """RMSNorm of the fp32 rows `h` [rows, BLOCK] (zeros past D), rounded to `out_dtype`:
-    Llama's weight * (h * rstd).to(dtype), or with UNIT_OFFSET Gemma's h * rstd * (1 + weight)."""
-    mean = tl.math.div_rn(tl.sum(h * h, axis=1), D + 0.0)
-    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))[:, None]
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+def _rstd(sum_sq, eps, D: tl.constexpr):
+    """1 / sqrt(mean square + eps) per row, from the rows' sums of squares over D features."""
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sum_sq, D + 0.0) + eps))
+
+
+@triton.jit
+def _scale(h, rstd, w, in_dtype: tl.constexpr, out_dtype: tl.constexpr,
+           UNIT_OFFSET: tl.constexpr, IN_BITS: tl.constexpr):
+    """The fp32 rows `h` normalized by `rstd` ([rows, 1]) and the fp32 weights `w` ([1, cols]),
+    rounded to `out_dtype`: Llama's weight * (h * rstd).to(dtype), or with UNIT_OFFSET Gemma's
+    h * rstd * (1 + weight)."""
     if UNIT_OFFSET:
         y = h * rstd * (1.0 + w)
     else:
         y = _round(h * rstd, in_dtype, IN_BITS).to(tl.float32) * w
     return _round(y, out_dtype, IN_BITS)
+
+
+@triton.jit
+def _normalize(h, w_ptr, cols, col_ok, eps, D: tl.constexpr, in_dtype: tl.constexpr,
+               out_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, IN_BITS: tl.constexpr):
+    """RMSNorm of the fp32 rows `h` [rows, BLOCK] (zeros past D), rounded to `out_dtype`."""
+    rstd = _rstd(tl.sum(h * h, axis=1), eps, D)[:, None]
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return _scale(h, rstd, w, in_dtype, out_dtype, UNIT_OFFSET, IN_BITS)
+
+
+@triton.jit
+def _residual_sum(x, r, dtype: tl.constexpr, IN_BITS: tl.constexpr):
+    """x + residual, rounded to the model's dtype as torch's add is."""
+    return _round(x.to(tl.float32) + r.to(tl.float32), dtype, IN_BITS)
+
+
+@triton.jit
+def _silu(gate):
+    """silu of fp32 `gate`, its division IEEE (a GPU's default `/` is approximate)."""
+    return tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
+
+
+@triton.jit
+def _gated(act, up, dtype: tl.constexpr, IN_BITS: tl.constexpr):
+    """act * up of an activation and mul, each rounded to `dtype` as torch rounds them."""
+    return _round(_round(act, dtype, IN_BITS).to(tl.float32) * up, dtype, IN_BITS)
 
 
 @triton.jit
@@ -92,7 +123,7 @@ def _fused_add_rms_norm_kernel(x_ptr, residual_ptr, w_ptr, stride_x, stride_r, n
     x = tl.load(x_ptrs, mask=mask, other=0.0)
     r = tl.load(r_ptrs, mask=mask, other=0.0)
     dtype = x_ptr.dtype.element_ty
-    h = _round(x.to(tl.float32) + r.to(tl.float32), dtype, IN_BITS)
+    h = _residual_sum(x, r, dtype, IN_BITS)
     tl.store(r_ptrs, h, mask=mask)
     y = _normalize(h.to(tl.float32), w_ptr, cols, col_ok, eps, D, dtype, dtype, False, IN_BITS)
     tl.store(x_ptrs, y, mask=mask)
@@ -116,9 +147,8 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, num_rows, I: tl.constexpr,
         tanh = tl.where(inner < 0, -tanh, tanh)
         act = 0.5 * gate * (1.0 + tanh)
     else:
-        act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
-    y = _round(act, dtype, IN_BITS).to(tl.float32) * up
-    tl.store(out_ptr + rows * I + cols, _round(y, dtype, IN_BITS), mask=mask)
+        act = _silu(gate)
+    tl.store(out_ptr + rows * I + cols, _gated(act, up, dtype, IN_BITS), mask=mask)
 
 
 @triton.jit

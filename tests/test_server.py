@@ -565,6 +565,8 @@ def test_half_a_surrogate_pair_is_a_400_naming_the_field(server, client, llama):
     for path, raw, message in HALF_PAIR:
         status, body = server.request("POST", path, raw=raw)
         assert status == 400 and message in body["error"]["message"], (raw, status, body)
+        # The whole body's validator names the field too, as the field validators do.
+        assert f"`{body['error']['param']}`" == message.split(" ")[0], body
     # A label every later response carries: refused before the weights load, so that no
     # response fails for it afterwards.
     status, body = server.request("POST", "/update_weights_from_disk", raw=(
@@ -609,6 +611,7 @@ def test_stream_options_without_stream_is_a_400(server):
         "prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
     assert status == 400, body
     assert "stream_options can only be set when `stream` is true" in body["error"]["message"]
+    assert body["error"]["param"] == "stream_options", body
 
 
 def scrape(server: Server) -> dict[tuple[str, tuple[str, ...]], float]:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -253,7 +254,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         for e in errors:
             loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query"))
             messages.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or _named_at_start(first)
         return error_response(400, "; ".join(messages), param)
 
     @app.exception_handler(HTTPException)
@@ -274,6 +275,24 @@ def _add_error_handlers(app: FastAPI) -> None:
         # Starlette re-raises after this response is sent, and uvicorn logs the traceback.
         logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
         return error_response(500, "internal server error; see the server log")
+
+
+_REQUEST_FIELDS = frozenset().union(*(model.model_fields for model in (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    UpdateWeightsRequest)))
+
+
+def _named_at_start(error: dict) -> str | None:
+    """The field a whole-body validator's error starts with ("`messages.0.content` is not
+    valid ...", "stream_options can only be set ..."): such an error has no location of its
+    own, and its `param` would otherwise be null."""
+    cause = error.get("ctx", {}).get("error")
+    if not isinstance(cause, ValueError):
+        return None
+    name = re.match(r"`([^`]+)`|(\w+)", str(cause))
+    if name is None:
+        return None
+    return name.group(1) or (name.group(2) if name.group(2) in _REQUEST_FIELDS else None)
 
 
 class _Server(uvicorn.Server):

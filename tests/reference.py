@@ -4,6 +4,8 @@ without their instructions."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -41,13 +43,14 @@ class HFReference:
         if key in self._memo:
             return self._memo[key]
         ids = torch.tensor([prompt_ids])
-        out = self.model(input_ids=ids, use_cache=True)
-        past, tokens = out.past_key_values, []
+        # transformers 5.24 renamed the cache `cache` (both in and out) and deprecates the old
+        # name, which 5.40 drops; the GPU machine's 5.17 knows only the old one.
+        kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out, tokens = self.model(input_ids=ids, use_cache=True), []
         for _ in range(max_new_tokens):
             nxt = int(out.logits[0, -1].argmax())
             tokens.append(nxt)
-            out = self.model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = self.model(input_ids=torch.tensor([[nxt]]), use_cache=True, **{kw: out[kw]})
         self._memo[key] = tokens
         return tokens
 

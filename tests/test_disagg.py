@@ -4,6 +4,7 @@ openai SDK."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.test_server import MODEL, Server
+from tests.test_server import MODEL, Server, scrape
 from tests.test_correctness import TEXTS
 
 
@@ -66,7 +67,7 @@ def pd(tiny_checkpoints, tmp_path_factory):
 
     prefill = Server(llama, root, "--block-size", "16", "--kv-transfer-config", kv("kv_producer"))
     decode = Server(llama, root, "--block-size", "16", "--kv-transfer-config", kv("kv_consumer"),
-                    "--enable-log-requests")
+                    "--enable-log-requests", "--max-model-len", "1024", "--num-kv-blocks", "80")
     proxy = Proxy(prefill, decode, root)
     yield prefill, decode, proxy
     proxy.stop()
@@ -108,6 +109,57 @@ def test_proxy_output_equals_a_single_server_streamed_and_not(pd):
     streamed = "".join(c.choices[0].delta.content or "" for c in proxy.client().chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)
     assert streamed == chat_single.choices[0].message.content
+
+
+def post(port: int, body: bytes) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def test_what_a_server_takes_the_proxy_takes(pd):
+    """min_tokens stayed in the one-token prefill request, past its max_tokens (a 400); a body
+    that is not a JSON object was a 500 (a helper's finds)."""
+    prefill, decode, proxy = pd
+    single = prefill.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                                 temperature=0, extra_body={"min_tokens": 6})
+    via_proxy = proxy.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                                  temperature=0, extra_body={"min_tokens": 6})
+    assert via_proxy.choices[0].text == single.choices[0].text
+    chat = proxy.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=8,
+        temperature=0, extra_body={"min_tokens": 6})
+    assert chat.usage.completion_tokens >= 6
+    for body in (b"{not json", b"[1, 2]"):
+        assert post(decode.port, body)[0] == 400
+        status, answer = post(proxy.port, body)
+        assert status == 400 and answer["error"]["type"] == "BadRequestError", answer
+
+
+def test_a_client_gone_before_its_answer_aborts_the_decode_request(pd):
+    prefill, decode, proxy = pd
+    def aborted() -> float:
+        return scrape(decode).get(("treadle:request_success_total", ("abort",)), 0.0)
+
+    before = aborted()
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True,
+         "temperature": 0}).encode(), headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while not scrape(decode).get(("treadle:num_requests_running", ()), 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    conn.sock.close()   # the client goes away without reading its answer
+    conn.close()
+    deadline = time.monotonic() + 30
+    while aborted() == before:   # the decode server ends it as "abort", not at its length
+        assert time.monotonic() < deadline, "the decode server generated on for a gone client"
+        time.sleep(0.05)
 
 
 def test_decode_server_killed_mid_stream_ends_the_stream_with_an_error(pd):

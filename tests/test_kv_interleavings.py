@@ -71,7 +71,8 @@ def storage_config(root: str, load_async: bool, kind: str = "storage",
             "multi": {"kv_connector": "MultiConnector",
                       "kv_connector_extra_config": {"connectors": [host, files]}}}[kind]
     return OracleConfig(
-        model=SimpleNamespace(model="kv-oracle", dtype=torch.int64, quantization=None,
+        # A folder holding no weight files (the store's): blocks name the model by its files.
+        model=SimpleNamespace(model=root, dtype=torch.int64, quantization=None,
                               num_layers=1, num_kv_heads=1, head_dim=1),
         cache=SimpleNamespace(block_size=BS),
         parallel=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import time
 
 import pytest
 import torch
@@ -171,6 +172,42 @@ def test_multi_connector_serves_from_the_second_tier_when_the_first_misses(
     outs = run(fresh, prompts)
     assert [o.outputs[0].token_ids for o in outs] == [ref.greedy(p, MAX_TOKENS) for p in prompts]
     assert tier_stats(fresh, 1).hits > 0 and tier_stats(fresh, 0).hits == 0
+
+
+def test_the_host_tier_after_another_connector_stores_only_its_own_kv(llama, tmp_path,
+                                                                      block_bytes, monkeypatch):
+    """MultiConnector ran each connector's loads in turn, and only the host tier's own waited
+    for its saves, which copy on a thread of their own: with the tier listed second, the
+    storage connector loaded B's KV into blocks A had just left while the tier still copied
+    A's out of them, and the tier kept B's KV under A's keys (a helper's find). A slow copy
+    stands in for a busy host."""
+    from treadle import SamplingParams
+    from treadle.kv_transfer.host_store import HostMemoryStore
+
+    store = tmp_path / "kv"
+    a, b = list(range(1000, 1000 + 3 * BLOCK + 1)), list(range(3000, 3000 + 3 * BLOCK + 1))
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    producer = LLM(llama, block_size=BLOCK, kv_transfer_config=kv_config(store, "kv_producer"))
+    producer.generate([{"prompt_token_ids": b}], one, use_tqdm=False)   # B's KV in the store
+    del producer
+
+    put = HostMemoryStore.put
+    monkeypatch.setattr(HostMemoryStore, "put", lambda *args: time.sleep(0.3) or put(*args))
+    tiers = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [
+                 kv_config(store, "kv_consumer"),
+                 {"kv_connector": "OffloadingConnector",
+                  "kv_connector_extra_config": {"cpu_bytes_to_use": 32 * block_bytes}}]}}
+    llm = LLM(llama, block_size=BLOCK, num_kv_blocks=6, max_model_len=80, kv_transfer_config=tiers)
+    for rid, prompt in (("A", a), ("B", b)):   # B loads into the blocks A leaves
+        llm.engine.add_request(rid, {"prompt_token_ids": prompt}, one)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    monkeypatch.setattr(HostMemoryStore, "put", put)
+    llm.reset_prefix_cache()
+    out = llm.generate([{"prompt_token_ids": a}], greedy(4), use_tqdm=False)[0]   # from the tier
+    assert out.num_cached_tokens == 3 * BLOCK
+    assert out.outputs[0].token_ids == HFReference(llama).greedy(a, 4)
 
 
 def test_stats_reach_metrics_of_a_real_server(llama, tmp_path):

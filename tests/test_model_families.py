@@ -5,6 +5,8 @@ every layer, max_model_len no longer capped at it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -134,3 +136,29 @@ def test_a_sliding_window_does_not_cap_max_model_len(tmp_path_factory):
         assert llm.engine.config.model.max_model_len == 1024
         layers = llm.engine.core.executor.worker.runner.model.model.layers
         assert all(layer.self_attn.attn.sliding_window == 512 for layer in layers)
+
+
+# Config fields a model would run silently wrong with, or crash on deep inside (a kernel, the
+# first step), refused before any worker starts (a helper's finds).
+BAD_FIELDS = [("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+              ("mistral", {"sliding_window": -4}, "sliding_window must be a positive"),
+              ("qwen3_moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) must be"),
+              ("llama", {"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads")]
+
+
+@pytest.mark.parametrize("arch, fields, message", BAD_FIELDS, ids=[f"{a}-{next(iter(f))}"
+                                                                   for a, f, _ in BAD_FIELDS])
+def test_a_config_field_no_model_runs_is_refused_by_name(tmp_path, arch, fields, message):
+    import json
+
+    from tests.tiny_models import make_tiny_checkpoint
+    from treadle import EngineArgs
+
+    path = make_tiny_checkpoint(arch, tmp_path, tie_word_embeddings=False)
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump({**config, **fields}, f)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=path).create_config()

@@ -27,7 +27,6 @@ from tests.deferred import defer_and_count, worker_num_deferred
 from tests.test_correctness import TEXTS
 from treadle import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from treadle.engine.llm_engine import LLMEngine
-from treadle.executor.base import WorkerFailedError
 from treadle.models.loader import load_tokenizer
 
 # A budget of 16 tokens cuts every prompt into several chunks, mixed with running decodes;
@@ -392,9 +391,10 @@ def kill_this_worker(worker) -> None:
 def test_a_lone_worker_that_dies_in_a_control_call_is_replaced_with_a_step_in_flight(
         tiny_checkpoints, reference):
     """A deferring lone worker killed by a control call while the batch queue still holds a
-    step: draining that step finds the group failed (it must not send FINISH_STEP to a closed
-    socket, an error that hid the death and skipped the restart), the worker is replaced, and
-    the request ends as transformers says."""
+    step: the call fails, not applied, and the worker is replaced at once, as when a step
+    finds it dead (the call used to raise the death itself, which AsyncLLM took for the
+    engine's: a helper's find); the step in flight is lost with the group, never sent
+    FINISH_STEP on a closed socket, and the request ends as transformers says."""
     path = tiny_checkpoints["llama"]
     prompt = token_ids(path)[0]
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -407,14 +407,58 @@ def test_a_lone_worker_that_dies_in_a_control_call_is_replaced_with_a_step_in_fl
         for _ in range(8):
             engine.step()
         assert len(engine.core.batch_queue) == 1
-        with pytest.raises(WorkerFailedError, match="worker rank 0 died"):
+        with pytest.raises(RuntimeError, match="worker rank 0 died.*the call was not applied"):
             engine.core.collective_rpc(kill_this_worker)
-        engine.reset_prefix_cache()   # drains the step in flight: the group is replaced
-        assert engine.core.num_worker_restarts == 1
+        assert engine.core.num_worker_restarts == 1 and not engine.core.batch_queue
         finals = []
         while engine.has_unfinished_requests():
             finals += [o for o in engine.step() if o.finished]
         assert_exact(finals, [prompt], reference(path))
+    finally:
+        engine.core.shutdown()
+
+
+def fail_loads_on_rank_1(worker) -> None:
+    """Given to collective_rpc: rank 1's next load_weights fails, after every rank checked it."""
+    if worker.ctx.rank == 1:
+        def broken(path: str) -> int:
+            raise OSError("injected: a read error")
+        worker.runner.load_weights = broken
+
+
+def test_a_change_that_fails_on_one_rank_replaces_the_group(tiny_checkpoints, reference):
+    """Every rank checked the change, then one failed it and the others applied it: the model
+    was neither weights, served on as the old ones, with the error the caller's (a 400; a
+    helper's find). The group is replaced now, reloading what it served."""
+    path = tiny_checkpoints["llama"]
+    prompts = token_ids(path)[:2]
+    with LLM(path, tensor_parallel_size=2, max_worker_restarts=1, block_size=16,
+             num_kv_blocks=64, max_num_batched_tokens=64) as llm:
+        llm.collective_rpc(fail_loads_on_rank_1)
+        with pytest.raises(RuntimeError, match="changed in part.*injected.*workers were restarted"):
+            llm.load_weights(path, weight_version="new")
+        assert llm.engine.core.num_worker_restarts == 1 and llm.get_weight_version() == 0
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert_exact(outs, prompts, reference(path))
+
+
+def test_no_restart_once_the_checkpoint_changed_on_disk(tiny_checkpoints, tmp_path):
+    """A restart reloads the checkpoint's files: changed since start-up (a trainer saving into
+    the folder served), they would be other weights under the same identity and label."""
+    path = str(tmp_path / "model")
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        path, distributed_executor_backend="mp", max_worker_restarts=1, block_size=16,
+        num_kv_blocks=64))
+    try:
+        weights = os.path.join(path, "model.safetensors")
+        os.utime(weights, ns=(0, os.stat(weights).st_mtime_ns + 10**9))   # rewritten, say
+        engine.add_request("a", {"prompt_token_ids": token_ids(path)[0]}, greedy())
+        engine.step()
+        os.kill(engine.core.executor.procs[0].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="checkpoint files .* changed since"):
+            while engine.has_unfinished_requests():
+                engine.step()
     finally:
         engine.core.shutdown()
 

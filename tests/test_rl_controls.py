@@ -14,8 +14,10 @@ import time
 import pytest
 import torch
 
+from tests.reference import HFReference
 from tests.test_correctness import TEXTS
-from treadle import LLM, AsyncLLM, EngineBusyError, RequestOutputKind, SamplingParams
+from treadle import (LLM, AsyncLLM, EngineBusyError, EngineDeadError, RequestOutputKind,
+                     SamplingParams)
 from treadle.models.loader import load_tokenizer
 
 ENGINE_ARGS = {"block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 2}
@@ -417,6 +419,56 @@ def test_failed_update_leaves_weights_untouched(llama, reference, long_prompt, o
         assert out.outputs[0].token_ids == expected, "part of a refused update was applied"
         fresh = await consume(engine, "fresh", long_prompt, greedy(16), cache_salt="x")
         assert fresh.outputs[0].token_ids == expected, "part of a refused update was applied"
+        assert_no_leaks(engine)
+
+    run_engine(llama, body)
+
+
+@pytest.mark.parametrize("change", ["update_weights", "load_weights"])
+def test_a_change_that_fails_after_copying_ends_the_engine(llama, long_prompt, original_weights,
+                                                           monkeypatch, change):
+    """A change that fails once its tensors are copied in (re-packing or recapturing graphs:
+    an out-of-memory on a GPU, injected here) left the model holding part of it, under the
+    old identity: a prompt cached before it was served from the old weights' KV (a helper's
+    find). Such an engine now serves nothing more; a change refused before its first copy
+    still leaves everything as it was (test_failed_update_leaves_weights_untouched)."""
+    from treadle.models.llama import LlamaForCausalLM
+
+    async def body(engine: AsyncLLM):
+        await consume(engine, "warm", long_prompt, greedy(8))   # its KV in the prefix cache
+
+        def failing(self):
+            raise RuntimeError("CUDA out of memory (injected)")
+
+        monkeypatch.setattr(LlamaForCausalLM, "pack_weights", failing)
+        with pytest.raises(EngineDeadError, match="changed in part.*injected"):
+            if change == "update_weights":
+                await engine.update_weights([(DOWN_PROJ, original_weights[DOWN_PROJ] * 4.0)])
+            else:
+                await engine.load_weights(llama)
+        with pytest.raises(EngineDeadError):
+            await consume(engine, "after", long_prompt, greedy(8))
+
+    run_engine(llama, body)
+
+
+def test_weights_moved_to_host_by_sleep_are_not_changed_there(llama, prompts, original_weights):
+    """On a GPU, sleep(level=1) moves the weights to host memory; changed there, they would
+    be packed for the CPU and come back without their device copies. The device is the CPU
+    here, told that it offloads."""
+    new = [(DOWN_PROJ, original_weights[DOWN_PROJ] * 2.0)]
+
+    async def body(engine: AsyncLLM):
+        await engine.collective_rpc(lambda w: setattr(w.runner.on_device, "offloads_weights", True))
+        await engine.sleep(level=1)
+        for change in (engine.update_weights(new), engine.load_weights(llama)):
+            with pytest.raises(RuntimeError, match=r"call wake_up\(tags=\['weights'\]\) before"):
+                await change
+        await engine.wake_up(tags=["weights"])
+        await engine.update_weights(new)
+        await engine.wake_up()
+        out = await consume(engine, "p", prompts[0], greedy(16))
+        assert out.outputs[0].token_ids == HFReference(llama, new).greedy(prompts[0], 16)
         assert_no_leaks(engine)
 
     run_engine(llama, body)

@@ -588,6 +588,23 @@ def test_a_corrupt_checkpoint_is_a_400_naming_the_file(server, client, llama, tm
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
 
 
+def test_two_weight_changes_at_once_each_answer_with_their_own_label(server, llama):
+    """The label was read back in a second engine call, after which the other change, queued
+    meanwhile, had run: the first response named the second's label (a helper's find)."""
+    threads, answers = [], {}
+    for label in ("first", "second"):
+        def change(label: str = label) -> None:
+            answers[label] = server.request("POST", "/update_weights_from_disk",
+                                            {"path": llama, "weight_version": label})
+        threads.append(threading.Thread(target=change))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(120)
+    for label, (status, body) in answers.items():
+        assert status == 200 and body["weight_version"] == label, answers
+    assert len(answers) == 2
+
+
 def test_sampling_values_float32_cannot_hold_are_refused_or_harmless(server):
     """The sampler works in float32: a temperature past its largest value, or a repetition
     penalty far from 1, made NaN probabilities and token 0 every step, constraints ignored;

@@ -18,7 +18,7 @@ from treadle import LLM, SamplingParams
 from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.protocol import ChatCompletionRequest
 from treadle.entrypoints.openai.tool_parsers import get_tool_parser
-from treadle.entrypoints.openai.tools import tool_call, tool_choice_of
+from treadle.entrypoints.openai.tools import tool_call, tool_choice_of, tool_constraint
 from treadle.models.loader import load_tokenizer, prepare_model
 
 from tests.test_server import ENGINE_ARGS, MODEL, Server, assert_error
@@ -170,6 +170,38 @@ def test_tool_choice_required(client):
     tools = {"get_weather": WEATHER, "get_time": TIME}
     for call in choice.message.tool_calls:
         _arguments_of(call, tools[call.function.name])
+
+
+# Local $refs, as every pydantic model with a nested one writes them, and a recursive tool.
+ROUTE = {"type": "function", "function": {"name": "plan_route", "parameters": {
+    "type": "object", "required": ["stops"], "properties": {
+        "stops": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"$ref": "#/$defs/Stop"}}},
+    "$defs": {"Stop": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string", "maxLength": 12}}}}}}}
+TREE = {"type": "function", "function": {"name": "draw_tree", "parameters": {
+    "type": "object", "required": ["label", "kids"], "properties": {
+        "label": {"type": "string", "maxLength": 8},
+        "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}}}}}
+
+
+def test_tool_choice_required_keeps_each_tools_refs(client):
+    """Each tool's parameters sat in the "required" wrapper's array, so their local $refs
+    pointed into the wrapper: a $defs tool was a 400, and a recursive one was held to the
+    wrapper's items as its own arguments (a helper's finds)."""
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, tools=[ROUTE],
+                                          tool_choice="required", temperature=0, max_tokens=200,
+                                          parallel_tool_calls=False)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    _arguments_of(choice.message.tool_calls[0], ROUTE)
+    # A recursive tool's whole output may not fit a test's tokens; its constraint is checked.
+    request = ChatCompletionRequest(messages=ASK, tools=[TREE], tool_choice="required")
+    schema = tool_constraint(request, "required")["json"]
+    args = {"label": "a", "kids": [{"label": "b", "kids": []}]}
+    jsonschema.validate([{"name": "draw_tree", "parameters": args}], schema)
+    wrapped = {"label": "a", "kids": [[{"name": "draw_tree", "parameters": args}]]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "draw_tree", "parameters": wrapped}], schema)
 
 
 def test_tool_choice_required_streamed_equals_whole(client):

@@ -24,6 +24,7 @@ from treadle import LLM, EngineArgs, SamplingParams
 from treadle.engine.weight_transfer import WeightTransferError
 from treadle.engine.weights import ServedWeights
 from treadle.models.loader import default_model_path, iter_hf_weights, load_tokenizer
+from treadle.rl import WeightSender
 
 # A step budget of 256 tokens holds every prompt here (50 tokens in all) in one step, as the
 # default 2,048 did; each rank warms its GEMMs up to it at start-up, and a last stage's head
@@ -40,6 +41,13 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def as_served(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """What an fp32 engine holds after receiving `pairs` (cast on the way in)."""
     return [(name, t.to(torch.float32)) for name, t in pairs]
+
+
+def staged_and_held_bytes(worker) -> tuple[int, int]:
+    """(bytes a worker's receiver stages off the meta device, bytes of its model)."""
+    staged = sum(t.numel() * t.element_size() for _, t in worker.weight_receiver.staged
+                 if t.device.type != "meta")
+    return staged, sum(p.numel() * p.element_size() for p in worker.runner.model.parameters())
 
 
 @pytest.fixture
@@ -147,7 +155,14 @@ def test_two_stages_and_bad_transfers(llama, reference, prompts, original_weight
         trainer = trainer_for(llama, 2)
         trainer.group(llm.init_weight_transfer_engine)
         sent = perturbed(original_weights, seed=3)
-        trainer.transfer(llm, seed=3, packed=True, weight_version=3)
+        llm.start_weight_update()
+        info = trainer.call("send", 3, torch.float32, None, True, "send")
+        llm.update_weights({"update_info": info})
+        assert trainer.call()[0] == "sent"
+        # Each stage stages only what it holds (of the rest, shapes on the meta device).
+        for staged, held in llm.collective_rpc(staged_and_held_bytes):
+            assert staged <= held, (staged, held)
+        llm.finish_weight_update(3)
         before = generate(llm, prompts)
         assert_exact(before, prompts, HFReference(llama, sent))
         identity = llm.engine.core.weights.identity
@@ -179,6 +194,16 @@ def test_two_stages_and_bad_transfers(llama, reference, prompts, original_weight
             unchanged()
             trainer.group(llm.init_weight_transfer_engine)
 
+        # Fewer bytes than declared (float32 declared, bfloat16 sent): gloo takes a short
+        # message into the larger buffer, and what it did not reach was once applied as weights.
+        llm.start_weight_update()
+        info = trainer.call("send", 4, torch.float32, layer1, False, "halves")
+        with pytest.raises(WeightTransferError, match="fewer bytes than update_info declares"):
+            llm.update_weights({"update_info": info})
+        trainer.call()
+        unchanged()
+        trainer.group(llm.init_weight_transfer_engine)
+
         # The trainer stalls: the group's timeout ends the round.
         trainer.group(llm.init_weight_transfer_engine, timeout_s=2)
         llm.start_weight_update()
@@ -205,6 +230,22 @@ def test_two_stages_and_bad_transfers(llama, reference, prompts, original_weight
         trainer.group(llm.init_weight_transfer_engine)
         trainer.transfer(llm, seed=None)
         assert_exact(generate(llm, prompts), prompts, reference(llama))
+
+
+def test_the_sender_sends_only_what_update_info_declared():
+    """A worker receives what update_info declared: gloo aborts the worker's process on a
+    longer message, and a shorter one loses the round (above). So WeightSender refuses first."""
+    weights = [("a", torch.ones(4)), ("b", torch.ones(2, 3))]
+    with WeightSender(world_size=2) as sender:   # never connected: a send would raise otherwise
+        sender.update_info(weights, packed=True)
+        with pytest.raises(ValueError, match=r"\(packed_buffer_size_bytes: 65536, declared "
+                                             r"1073741824\); nothing was sent"):
+            sender.send(weights, packed=True, packed_buffer_size_bytes=64 << 10)
+        with pytest.raises(ValueError, match=r"\(dtype_names: item 1 is 'bfloat16', declared "
+                                             r"'float32'\)"):
+            sender.send([weights[0], ("b", weights[1][1].bfloat16())], packed=True)
+        with pytest.raises(ValueError, match=r"\(packed: False, declared True\)"):
+            sender.send(weights)
 
 
 # -- three tensor shards ----------------------------------------------------------------------------

@@ -374,6 +374,7 @@ class EngineArgs:
         _check_quantization(self.quantization, dtype, device, gguf_file, parallel.tensor_parallel_size)
         path = prepare_model(source)
         hf_config = load_hf_config(path)
+        check_model_fields(hf_config)
         generation = load_generation_defaults(path, self.generation_config,
                                               self.override_generation_config,
                                               getattr(hf_config, "eos_token_id", None))
@@ -511,6 +512,35 @@ def _max_model_len(requested: int | None, hf_config: Any) -> int:
                        "(%s=1); output past position %d may be garbage", requested, model_max,
                        ALLOW_LONG_MAX_MODEL_LEN, model_max)
     return requested
+
+
+def check_model_fields(hf_config: Any) -> None:
+    """Refuse, naming the field, what the model classes would otherwise run silently wrong or
+    crash on deep inside (a kernel, or the first step), before any worker starts."""
+    from treadle.models.registry import get_model_class
+    from treadle.models.rope import rope_inv_freq
+
+    model_class = get_model_class(hf_config)   # an unsupported architecture, named
+    # Llama's MLP is SiLU-and-mul, whatever the config says (Gemma checks its own field).
+    activations = getattr(model_class, "activations", ())
+    activation = getattr(hf_config, "hidden_act", None) or "silu"
+    if activations and activation not in activations:
+        raise ValueError(f"config hidden_act {activation!r} is not supported by "
+                         f"{model_class.__name__} (only {', '.join(activations)})")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+        raise ValueError(f"config sliding_window must be a positive integer or null, got {window!r}")
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    if experts and top_k is not None and not 1 <= top_k <= experts:
+        raise ValueError(f"config num_experts_per_tok ({top_k}) must be in 1..{experts}, the "
+                         "number of experts")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ValueError(f"config num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    rope_inv_freq(hf_config, 2)   # an unsupported rope_type, named, before the workers start
 
 
 def sliding_window(hf_config: Any) -> int | None:

@@ -137,6 +137,11 @@ class AsyncLLM:
     def _check_accepting(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine core failed: {self._dead!r}")
+        # A worker group that died and will not be replaced: refused now, not accepted and
+        # ended with an error by the next step.
+        reason = self.core.failure()
+        if reason is not None:
+            raise EngineDeadError(reason)
         if self._pause_mode in ("abort", "wait"):
             raise EngineBusyError(f"generation is paused (mode {self._pause_mode!r}); "
                                   "retry after resume_generation()")
@@ -285,6 +290,15 @@ class AsyncLLM:
 
     async def load_weights(self, path: str, weight_version: Any = None) -> int:
         return await self._call(self.core.load_weights, path, weight_version)
+
+    async def labelled(self, change: str, *args: Any) -> tuple[int, Any]:
+        """A weight change (`change`: "load_weights" or "finish_weight_update", with its
+        arguments) and the label it left, read in the same call on the engine thread: a change
+        queued behind it cannot lend it its own label."""
+        if change not in ("load_weights", "finish_weight_update"):
+            raise ValueError(f"change must be load_weights or finish_weight_update, got {change!r}")
+        method = getattr(self.core, change)
+        return await self._call(lambda: (method(*args), self.core.weight_version))
 
     async def get_weight_version(self) -> Any:
         return await self._call(lambda: self.core.weight_version)

@@ -22,7 +22,7 @@ from treadle.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, S
 from treadle.core.stats import SchedulerStats
 from treadle.engine.errors import EngineDeadError
 from treadle.engine.weight_transfer import WeightTransfer, update_info_of
-from treadle.engine.weights import ServedWeights, check_label
+from treadle.engine.weights import ServedWeights, check_label, files_stamp
 from treadle.engine.worker_restart import restart_refusal, restart_workers
 from treadle.executor.base import WorkerFailedError
 from treadle.executor.factory import create_executor
@@ -86,7 +86,10 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         self.paused = False
         self.asleep: set[str] = set()     # parts put to sleep and not woken yet
-        self.weights = ServedWeights()
+        # Stamped where workers may be restarted: they reload these files, which must still
+        # be the ones loaded at start-up.
+        self.weights = (ServedWeights(checkpoint=model.model, source_stamp=files_stamp(model.model))
+                        if config.parallel.max_worker_restarts else ServedWeights())
         self.weight_transfer = WeightTransfer(config.weight_transfer)
         self.num_worker_restarts = 0
 
@@ -312,11 +315,51 @@ class EngineCore:
         if self.config.parallel.world_size > 1:
             # Every rank checks its part before any rank changes a weight: a refused update
             # leaves the whole model as it was.
-            self.executor.collective_rpc("check_weights", (
+            self._rpc("check_weights", (
                 source if isinstance(source, str) else [(n, tuple(t.shape)) for n, t in source],))
-        count = self.executor.collective_rpc(worker_method, (source,))[0]
+        try:
+            count = self._rpc(worker_method, (source,))[0]
+        except Exception as e:
+            self._check_weights_whole(e)
+            raise
         self._weights_changed(served_after())
         return count
+
+    def _check_weights_whole(self, error: Exception) -> None:
+        """After a weight change failed: where any rank may hold part of it (one began to
+        copy it in, then failed re-packing or capturing graphs, as on a GPU out of memory; or,
+        with several ranks, one failed after all had checked it and others applied it), the
+        model is no one set of weights, under the old ones' identity and label. The workers
+        are then replaced, reloading the weights served before, where a restart is allowed
+        (a RuntimeError says so); else the engine is dead. Otherwise nothing changed."""
+        if isinstance(error, EngineDeadError):   # a lost worker: restarted, or dead already
+            return
+        try:
+            torn = (self.config.parallel.world_size > 1
+                    or any(self.executor.collective_rpc("torn_weights")))
+        except Exception:   # a worker that cannot answer may hold anything
+            torn = True
+        if not torn:
+            return
+        reason = f"a weight change failed with the weights changed in part ({error!r})"
+        try:
+            self.executor.fail(reason)
+        except WorkerFailedError as lost:
+            self._lost_workers(lost)   # raises EngineDeadError where no restart is allowed
+        raise RuntimeError(f"{reason}; the workers were restarted with the weights served "
+                           "before it") from error
+
+    def _rpc(self, method: str | Callable, args: tuple = (),
+             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """A control call to every worker. A group that dies in it is replaced where a restart
+        is allowed, as when a step finds it dead, and the call fails with a RuntimeError (not
+        applied, the engine serving on); else the engine is dead (EngineDeadError)."""
+        try:
+            return self.executor.collective_rpc(method, args, kwargs)
+        except WorkerFailedError as e:
+            self._lost_workers(e)
+            raise RuntimeError(f"{e}: the call was not applied, and the workers were "
+                               "restarted") from e
 
     def _weights_changed(self, served: ServedWeights) -> None:
         self.weights = served
@@ -341,7 +384,8 @@ class EngineCore:
         self._check_transfer_quiet("finish_weight_update")
         self.drain()
         self._wait_for_kv_transfers()   # no load may land KV of the old weights after it
-        count, digest, label = self.weight_transfer.finish(self.executor, weight_version)
+        count, digest, label = self.weight_transfer.finish(self.executor, weight_version,
+                                                           self._check_weights_whole)
         self._weights_changed(self.weights.transferred(digest, label))
         return count
 
@@ -359,7 +403,7 @@ class EngineCore:
         # Kept requests lose their KV: they recompute after wake_up.
         cleared = self.reset_prefix_cache(reset_running_requests=True)
         assert cleared, "no block may be held once running requests are reset"
-        self.executor.collective_rpc("sleep", (level,))
+        self._rpc("sleep", (level,))
         self.asleep = set(SLEEP_TAGS)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -367,7 +411,7 @@ class EngineCore:
         unknown = set(tags) - set(SLEEP_TAGS)
         if unknown:
             raise ValueError(f"tags must be among {', '.join(SLEEP_TAGS)}; got {sorted(unknown)}")
-        self.executor.collective_rpc("wake_up", (tags,))
+        self._rpc("wake_up", (tags,))
         self.asleep -= set(tags)
 
     def error_outputs(self, reason: str) -> list[EngineCoreOutput]:
@@ -396,7 +440,7 @@ class EngineCore:
 
     def collective_rpc(self, method: str | Callable, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        return self.executor.collective_rpc(method, args, kwargs)
+        return self._rpc(method, args, kwargs)
 
     def shutdown(self) -> None:
         self.grammars.shutdown()

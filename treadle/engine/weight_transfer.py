@@ -17,7 +17,7 @@ The rules:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from treadle.config import WeightTransferConfig
 from treadle.distributed.weight_transfer import InitInfo, UpdateInfo
@@ -130,9 +130,11 @@ class WeightTransfer:
             self._round_version = version
         return count
 
-    def finish(self, executor: Executor, weight_version: Any = None) -> tuple[int, str, Any]:
+    def finish(self, executor: Executor, weight_version: Any = None,
+               on_apply_error: Callable[[Exception], None] | None = None) -> tuple[int, str, Any]:
         """Apply the round on every rank: (weights set, the round's digest, its label). The
-        caller has drained the engine; it records the change."""
+        caller has drained the engine; it records the change. `on_apply_error` hears of a
+        failure once the ranks have begun to apply it (before, nothing changed)."""
         self._check_round(executor, "finish_weight_update")
         try:
             executor.collective_rpc("check_staged_weights")   # every rank, before any applies
@@ -142,7 +144,12 @@ class WeightTransfer:
             self._drop(executor, close_group=False)
             raise
         self._round_open = False   # the workers hand their staged tensors over, come what may
-        count, digest = executor.collective_rpc("finish_weight_update")[0]
+        try:
+            count, digest = executor.collective_rpc("finish_weight_update")[0]
+        except Exception as e:
+            if on_apply_error is not None:
+                on_apply_error(e)
+            raise
         return count, digest, weight_version if weight_version is not None else self._round_version
 
     def _drop(self, executor: Executor, close_group: bool) -> None:

@@ -46,6 +46,7 @@ class ServedWeights:
     source: str | None = None  # the last load_weights path; None: the model's checkpoint
     source_stamp: str = ""     # its files' names, sizes and times when they were loaded
     kept: bool = True          # False once changed in place: no file holds these weights
+    checkpoint: str | None = None   # the model's files, stamped at start-up (source None)
 
     def updated(self, named_tensors: Iterable[tuple[str, torch.Tensor]], label: Any
                 ) -> ServedWeights:
@@ -65,16 +66,19 @@ class ServedWeights:
         """After load_weights from `path` (every weight comes from its files)."""
         stamp = files_stamp(path)
         return ServedWeights(identity=self._chain(f"load {stamp}"), label=self._next_label(label),
-                             source=path, source_stamp=stamp, kept=True)
+                             source=path, source_stamp=stamp, kept=True,
+                             checkpoint=self.checkpoint)
 
     def restart_refusal(self) -> str | None:
         """Why new workers could not serve these weights, or None."""
         if not self.kept:
             return (f"the weights were updated in place (weight_version={self.label!r}) and no "
                     "file holds them, so new workers would serve other weights")
-        if self.source is not None and files_stamp(self.source) != self.source_stamp:
-            return (f"the files of the last load_weights ({self.source}) changed since, so new "
-                    "workers would serve other weights")
+        path = self.source or self.checkpoint
+        if path is not None and self.source_stamp and files_stamp(path) != self.source_stamp:
+            what = ("the files of the last load_weights" if self.source is not None
+                    else "the model's checkpoint files")
+            return f"{what} ({path}) changed since, so new workers would serve other weights"
         return None
 
     def _chain(self, change: str) -> str:

@@ -65,7 +65,9 @@ def restart_refusal(core: RestartingCore) -> str | None:
 
 
 def restart_workers(core: RestartingCore, reason: str) -> None:
-    core.num_worker_restarts += 1
+    # Counted once the new group is up: until then restart_refusal (which failure() reads,
+    # for /health, from another thread) must not count this restart's slot as used.
+    number = core.num_worker_restarts + 1
     scheduler = core.scheduler
     lost = [sched_out for _, sched_out in core.batch_queue]
     core.batch_queue.clear()
@@ -77,16 +79,21 @@ def restart_workers(core: RestartingCore, reason: str) -> None:
     if not scheduler.kv_cache.reset_prefix_cache():
         raise RuntimeError("KV blocks are still held after every request was preempted")
     logger.warning("%s: restarting the workers (%d of %d); %d requests resume by recompute",
-                   reason, core.num_worker_restarts, core.config.parallel.max_worker_restarts,
+                   reason, number, core.config.parallel.max_worker_restarts,
                    num_resumed)
     core.executor.shutdown()   # first: its store's port and its memory go back
     # Exactly the scheduler's blocks, not a budget measured again, which could differ.
     num_blocks = scheduler.kv_cache.pool.num_blocks
     config = dataclasses.replace(
         core.config, cache=dataclasses.replace(core.config.cache, num_kv_blocks=num_blocks))
-    core.executor = create_executor(config)
+    executor = create_executor(config)
     if core.weights.source is not None:   # the weights served came from these files
-        core.executor.collective_rpc("load_weights", (core.weights.source,))
+        try:
+            executor.collective_rpc("load_weights", (core.weights.source,))
+        except BaseException:
+            executor.shutdown()
+            raise
+    core.executor, core.num_worker_restarts = executor, number
 
 
 def _stale_output(sched_out: SchedulerOutput) -> ModelRunnerOutput:

@@ -12,6 +12,7 @@ event, so no client waits for tokens that are not coming.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -33,14 +34,15 @@ class UpstreamError(Exception):
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "ServiceUnavailable" if status == 503
-                      else "ProxyError", "param": None, "code": status}}
+    kind = {400: "BadRequestError", 503: "ServiceUnavailable"}.get(status, "ProxyError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """The same request, cut to one generated token and no stream: only its KV matters."""
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     out["max_tokens"], out["n"] = 1, 1
+    out.pop("min_tokens", None)   # it may not pass max_tokens; the decode request keeps it
     if chat:
         out.pop("max_completion_tokens", None)
     return out
@@ -71,14 +73,19 @@ def build_app(prefill_url: str, decode_url: str) -> FastAPI:
             raise UpstreamError(503, error_body(f"server {url} is unreachable: {e}", 503)) from e
 
     async def relay(path: str, request: Request, chat: bool) -> Response:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return JSONResponse(error_body(f"the body is not valid JSON: {e}", 400), 400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("the body must be a JSON object", 400), 400)
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
             prefilled = await post_json(prefill_url, path, prefill_body(body, chat), headers)
             if prefilled.get("kv_transfer_params") is not None:
                 body = {**body, "kv_transfer_params": prefilled["kv_transfer_params"]}
             if not body.get("stream"):
-                return JSONResponse(await post_json(decode_url, path, body, headers))
+                return await answer_unless_gone(request, post_json(decode_url, path, body, headers))
             session = state["session"]
             resp = await session.post(decode_url + path, json=body, headers=headers)
         except UpstreamError as e:
@@ -90,6 +97,18 @@ def build_app(prefill_url: str, decode_url: str) -> FastAPI:
             resp.release()
             return JSONResponse(data, status_code=resp.status)
         return StreamingResponse(stream(resp), media_type="text/event-stream")
+
+    async def answer_unless_gone(request: Request, decoding: Any) -> Response:
+        """The decode server's answer; a client that goes away first cancels the call, and
+        the decode server, its connection closed, aborts the request (as a single server
+        does for its own client)."""
+        task = asyncio.ensure_future(decoding)
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)   # no one reads it
+        return JSONResponse(task.result())
 
     async def stream(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         try:

@@ -91,6 +91,12 @@ class Executor(ABC):
     def failure(self) -> str | None:
         return self._dead if self._dead is not None else self._find_failure()
 
+    def fail(self, reason: str) -> NoReturn:
+        """Give the group up as if it had died, with `reason` (its weights torn by a change
+        that failed part way): it is stopped, and raises WorkerFailedError, as every later
+        call does."""
+        self._fail(reason)
+
     def shutdown(self) -> None:
         """Stop the workers (asking them to exit while the group is healthy, else at once)."""
         if self._closed:

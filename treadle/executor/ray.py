@@ -169,7 +169,9 @@ class RayExecutor(Executor):
                 mine = ref in waiting
                 rank = waiting.pop(ref) if mine else self._unchecked.pop(ref)
                 ok, value = self._get(rank, ref)
-                if not ok and not control:
+                # An error is the caller's only among the control call's own replies: a
+                # step's (an unchecked rank's, found while a control call waits) ends the group.
+                if not ok and not (control and mine):
                     self._blame(rank, value, "failed to start" if starting else "failed a step")
                 if mine:
                     replies[ref] = (ok, value)

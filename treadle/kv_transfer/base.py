@@ -125,6 +125,11 @@ class KVConnectorBase:
     def clear_connector_metadata(self) -> None:
         self._metadata = None
 
+    def wait_for_cache_reads(self) -> None:
+        """Return once earlier steps' saves no longer read the cache: another connector's
+        loads (MultiConnector) are about to write it, maybe into a block such a save still
+        copies out of."""
+
     def start_load_kv(self) -> None:
         """Start loading this step's blocks (before the forward pass)."""
 

@@ -28,6 +28,7 @@ import time
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,6 +89,20 @@ class _Tracked:
     saved: list[str] = field(default_factory=list)   # keys it asked the workers to save
 
 
+def checkpoint_digest(path: str) -> str:
+    """A digest of what a checkpoint computes with: its config and weight files' contents."""
+    root = Path(path)
+    files = ([root] if root.is_file() else
+             sorted(p for p in root.iterdir() if p.is_file() and (
+                 p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))))
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}\n".encode())
+        with open(f, "rb") as fh:
+            digest.update(hashlib.file_digest(fh, "sha256").digest())
+    return digest.hexdigest()
+
+
 class BlockStoreConnector(KVConnectorBase):
     """A connector over a store of full blocks by key; subclasses implement the store."""
 
@@ -133,7 +148,20 @@ class BlockStoreConnector(KVConnectorBase):
         self._dropped = (0, 0)   # saves dropped since last reported: (blocks, bytes)
         self._dropped_lock = threading.Lock()   # saver threads add, the step takes
 
+    def _name_model_by_contents(self) -> None:
+        """For a store other instances share: blocks name the model by what it computes with
+        (its config's and weight files' contents), not by where it lies, so that other weights
+        at the same path (a folder redeployed) never read KV of these (invariant 5). Only the
+        scheduler side names blocks; hashing the files takes a while for a large model."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return
+        start = time.perf_counter()
+        self._layout = (checkpoint_digest(self.config.model.model), *self._layout[1:])
+        logger.info("%s: checkpoint digest %s in %.1f s", type(self).__name__,
+                    self._layout[0][:12], time.perf_counter() - start)
+
     # -- what subclasses implement ----------------------------------------------------------
+
     def _contains(self, key: str) -> bool:
         """Scheduler side: whether the store holds `key` (a load may still fail)."""
         raise NotImplementedError

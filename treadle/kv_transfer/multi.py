@@ -143,6 +143,11 @@ class MultiConnector(KVConnectorBase):
             c.clear_connector_metadata()
 
     def start_load_kv(self) -> None:
+        # A block freed last step may be loaded into now while another connector's save still
+        # copies out of it (the host tier copies on a thread of its own): every save lets go
+        # of the cache before any connector loads. (Each connector waits for its own saves.)
+        for c in self.connectors:
+            c.wait_for_cache_reads()
         for c in self.connectors:
             c.start_load_kv()
         # What a request computes on a failed load is wrong: no connector may save it.

@@ -156,6 +156,11 @@ class OffloadingConnector(BlockStoreConnector):
         if self.store is not None:
             self.store.copies.before_compute()   # the forward reads what was loaded
 
+    def wait_for_cache_reads(self) -> None:
+        self._wait_for_saves(sealed=False)
+        if self.store is not None:
+            self.store.copies.before_compute()   # on a GPU: later writes follow the copies
+
     def _read_block(self, load: BlockTransfer) -> None:
         assert self.store is not None
         self.store.get(load.key, [cache[:, load.block_id] for cache in self._kv_caches])

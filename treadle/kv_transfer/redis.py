@@ -33,13 +33,11 @@ again every `retry_interval_s`, so the engine uses Redis again as soon as it is 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
@@ -102,20 +100,6 @@ class RedisOptions:
                    seconds("retry_interval_s", cls.retry_interval_s, zero_ok=True), pending, prefix)
 
 
-def checkpoint_digest(path: str) -> str:
-    """A digest of what a checkpoint computes with: its config and weight files' contents."""
-    root = Path(path)
-    files = ([root] if root.is_file() else
-             sorted(p for p in root.iterdir() if p.is_file() and (
-                 p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))))
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f"{f.name}\n".encode())
-        with open(f, "rb") as fh:
-            digest.update(hashlib.file_digest(fh, "sha256").digest())
-    return digest.hexdigest()
-
-
 class RedisUnavailable(Exception):
     """Redis could not be reached (now, or within the last retry interval)."""
 
@@ -175,11 +159,7 @@ class RedisConnector(BlockStoreConnector):
         super().__init__(config, role)
         self.options = RedisOptions.from_extra(self.extra)
         self.link = RedisLink(self.options, role.name.lower())
-        if role == KVConnectorRole.SCHEDULER:   # only the scheduler side names blocks
-            start = time.perf_counter()
-            self._layout = (checkpoint_digest(config.model.model), *self._layout[1:])
-            logger.info("RedisConnector: checkpoint digest %s in %.1f s",
-                        self._layout[0][:12], time.perf_counter() - start)
+        self._name_model_by_contents()
         self._ttl_ms = None if self.options.ttl_s is None else max(1, int(self.options.ttl_s * 1000))
         # Worker side: blocks copied out of the cache, for the saver thread.
         self._pending: queue.Queue[tuple[str, torch.Tensor]] = queue.Queue(self.options.max_pending_saves)

@@ -40,6 +40,7 @@ class SharedStorageConnector(BlockStoreConnector):
         super().__init__(config, role)
         self.root = Path(self.extra["shared_storage_path"])
         self.root.mkdir(parents=True, exist_ok=True)
+        self._name_model_by_contents()   # another instance may read the folder later
 
     def _path(self, key: str, part: str | None = None) -> Path:
         """The file of a rank's part of a block (this worker's by default)."""
@@ -79,4 +80,12 @@ class SharedStorageConnector(BlockStoreConnector):
             raise
 
     def _read_block(self, load: BlockTransfer) -> None:
-        self._block_in(load.block_id, decode_block(self._path(load.key).read_bytes()))
+        path = self._path(load.key)
+        try:
+            kv = decode_block(path.read_bytes())
+        except ValueError:
+            # Damaged: gone, so that no later request fails on it, and a producer (which saves
+            # only the blocks whose file is missing) writes it again, as RedisConnector does.
+            path.unlink(missing_ok=True)
+            raise
+        self._block_in(load.block_id, kv)

@@ -54,8 +54,20 @@ def complete_gguf_config(config: PretrainedConfig, reader: GGUFReader) -> Pretra
     """`config` (transformers' reading of the GGUF) with what else the file says."""
     arch = gguf_field(reader, "general.architecture")
     meta = functools.partial(_gguf_arch_field, reader, arch)
+    if arch in ("llama", "qwen2", "qwen3", "qwen3moe"):
+        _rope_scaling(config, meta)
     if arch == "llama":
+        # Llama 3.1+'s llama3 RoPE scaling: one factor per rotary pair, as a tensor (llama.cpp
+        # divides each frequency by it); the metadata says nothing of it.
+        factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        if factors is not None:
+            config.rope_freq_factors = dequantize(factors).tolist()
         return _llama_arch_config(config, meta)
+    if arch == "qwen3":
+        # transformers maps no key to Qwen3's head_dim, which then stays Qwen3Config's 128
+        key_length = meta("attention.key_length")
+        if key_length is not None:
+            config.head_dim = int(key_length)
     if arch == "qwen3moe":
         # Experts on every layer: llama.cpp's qwen3moe has no dense layers (nor a name for
         # their tensors), so a checkpoint with `mlp_only_layers` does not convert.
@@ -67,6 +79,21 @@ def complete_gguf_config(config: PretrainedConfig, reader: GGUFReader) -> Pretra
     elif arch in _GEMMA_27B_LAYERS:
         _gemma_config(config, arch, meta)
     return config
+
+
+def _rope_scaling(config: PretrainedConfig, meta: Any) -> None:
+    """The RoPE scaling the file states (`rope.scaling.*`), which transformers' reader drops:
+    linear is applied; any other type (yarn) is kept, for rope.py to refuse by name."""
+    kind = meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params["rope_type"] = str(kind)
+    if meta("rope.scaling.factor") is not None:
+        params["factor"] = float(meta("rope.scaling.factor"))
+    if meta("rope.scaling.original_context_length") is not None:
+        params["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length"))
+    config.rope_parameters = params
 
 
 def _gguf_arch_field(reader: GGUFReader, arch: str, key: str) -> Any:

@@ -87,8 +87,10 @@ def read(model: nn.Module, path: str) -> dict[str, GgufWeight]:
     for param, pieces in parts.items():
         pieces.sort(key=lambda p: p[0])
         types = {t for _, t, _ in pieces}
-        blocks = torch.cat([b for _, _, b in pieces])   # a new, contiguous tensor
-        if len(types) == 1 and blocks.shape[0] == params[param].shape[0]:
+        # Parts of other types (llama.cpp writes Mixtral's k and v in Q8_0 beside a Q4_0 q)
+        # have blocks of other sizes, which cannot be joined; joined, a new contiguous tensor.
+        blocks = torch.cat([b for _, _, b in pieces]) if len(types) == 1 else None
+        if blocks is not None and blocks.shape[0] == params[param].shape[0]:
             copies[param] = GgufWeight(blocks, types.pop())
         else:
             logger.info("%s: its parts are not all of one GGUF type; it runs unquantized", param)

@@ -256,6 +256,10 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
+    # The MLP's activations (SiLU-and-mul) that config.hidden_act may name (config.py refuses
+    # others); empty where a family checks its own field.
+    activations: tuple[str, ...] = ("silu", "swish")
+
     def __init__(self, config, max_positions: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
@@ -459,16 +463,20 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True,
+                     before_copy: Callable[[], None] | None = None) -> set[str]:
         """Copy transformers-named tensors into this model; returns the names consumed.
 
         With strict=True every parameter must be covered (a full checkpoint); a partial
         update (RL weight sync) passes strict=False. Every name and shape is checked before
-        anything is copied, so a refused update leaves the model as it was. A packed model
-        re-packs afterwards, so code that loads weights this way (e.g. via collective_rpc)
-        needs no extra step; code that edits parameters in place must call pack_weights().
+        anything is copied, so a refused update leaves the model as it was; `before_copy` is
+        called once that check has passed. A packed model re-packs afterwards, so code that
+        loads weights this way (e.g. via collective_rpc) needs no extra step; code that edits
+        parameters in place must call pack_weights().
         """
         plan, loaded = self._plan(weights, strict)
+        if before_copy is not None:
+            before_copy()
         for target, tensor in plan:
             target.copy_(tensor.to(target.dtype))
         if self.is_packed:    # a weight update: the packed copies must follow

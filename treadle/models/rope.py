@@ -49,7 +49,9 @@ def rope_inv_freq(config, dim: int, long: bool = False) -> torch.Tensor:
         return 1.0 / (factors * base ** exponents)
     inv_freq = 1.0 / (base ** exponents)
     if rope_type == "default":
-        return inv_freq
+        # a GGUF's rope_freqs tensor (models/gguf_config.py): llama.cpp's per-pair divisors
+        factors = getattr(config, "rope_freq_factors", None)
+        return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=torch.float32)
     if rope_type == "linear":
         return inv_freq / params["factor"]
     if rope_type == "llama3":

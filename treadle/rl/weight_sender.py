@@ -46,6 +46,7 @@ class WeightSender:
                                     timeout_s, torch.device(device) if device is not None else None)
         self.master_address = master_address
         self.world_size = world_size
+        self._declared: list[dict[str, Any]] = []   # update_infos made here, not yet sent
 
     @property
     def init_info(self) -> dict[str, Any]:
@@ -71,20 +72,31 @@ class WeightSender:
                     packed: bool = False,
                     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
                     ) -> dict[str, Any]:
-        """update_weights' update_info for these tensors."""
-        pairs = list(named_tensors)
-        info: dict[str, Any] = {"names": [n for n, _ in pairs],
-                                "dtype_names": [dtype_name(t.dtype) for _, t in pairs],
-                                "shapes": [list(t.shape) for _, t in pairs], "packed": packed}
-        if packed:
-            info["packed_buffer_size_bytes"] = packed_buffer_size_bytes
+        """update_weights' update_info for these tensors; send() must then be given the same."""
+        info = _describe(list(named_tensors), packed, packed_buffer_size_bytes)
+        self._declared.append(info)
+        del self._declared[:-16]   # a trainer broadcasting by itself never sends them
         return info
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, packed: bool = False,
              packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES) -> int:
         """Broadcast the tensors, as update_info(same arguments) describes them; returns how
-        many. Raises if a worker is gone or the timeout passes."""
-        tensors = [t for _, t in named_tensors]
+        many. Raises ValueError, sending nothing, where update_info was called here and
+        declared none like them: the workers receive what was declared, and gloo aborts a
+        worker's process on a longer message than it expects. Raises if a worker is gone or
+        the timeout passes."""
+        pairs = list(named_tensors)
+        info = _describe(pairs, packed, packed_buffer_size_bytes)
+        if self._declared:
+            if info not in self._declared:
+                declared = self._declared[-1]
+                key = next(k for k in ("packed", "packed_buffer_size_bytes", "names", "dtype_names",
+                                       "shapes") if info.get(k) != declared.get(k))
+                raise ValueError("send() was given other tensors or arguments than update_info "
+                                 f"declared ({key}: {_difference(declared.get(key), info.get(key))}); "
+                                 "nothing was sent")
+            self._declared.remove(info)
+        tensors = [t for _, t in pairs]
         if not packed:
             for tensor in tensors:   # one at a time: no second copy of the model on the way
                 self.broadcast(tensor)
@@ -106,3 +118,21 @@ class WeightSender:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _describe(pairs: list[tuple[str, torch.Tensor]], packed: bool,
+              packed_buffer_size_bytes: int) -> dict[str, Any]:
+    info: dict[str, Any] = {"names": [n for n, _ in pairs],
+                            "dtype_names": [dtype_name(t.dtype) for _, t in pairs],
+                            "shapes": [list(t.shape) for _, t in pairs], "packed": packed}
+    if packed:
+        info["packed_buffer_size_bytes"] = packed_buffer_size_bytes
+    return info
+
+
+def _difference(declared: Any, given: Any) -> str:
+    """Where two values of update_info differ, in words."""
+    if isinstance(declared, list) and isinstance(given, list) and len(declared) == len(given):
+        i = next(i for i, (a, b) in enumerate(zip(declared, given)) if a != b)
+        return f"item {i} is {given[i]!r}, declared {declared[i]!r}"
+    return f"{given!r}, declared {declared!r}"

@@ -22,6 +22,8 @@ class WorkerDevice:
         self.native_kernels = False
         # Whether decode steps can be captured as CUDA graphs (worker/cuda_graphs.py).
         self.captures_graphs = False
+        # Whether sleep(level=1) moves the weights to host memory.
+        self.offloads_weights = True
 
     def empty(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
         """Uninitialised memory for each (shape, dtype): the parameters, before a load fills them."""
@@ -52,6 +54,7 @@ class CpuDevice(WorkerDevice):
         super().__init__(device)
         keep_freed_memory()
         self.native_kernels = cpu_kernels_available(device)
+        self.offloads_weights = False   # they are in host memory already
 
     def empty(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
         # Side by side in huge pages (kernels/hugepages.py): decode streams the weights at a

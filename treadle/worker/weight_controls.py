@@ -19,6 +19,10 @@ from treadle.models.loader import iter_hf_weights, prepare_model
 
 class WeightControls:
     _weights_discarded = False   # by sleep(level=2), until a full load
+    _weights_offloaded = False   # moved to host memory by sleep(level=1), until wake_up
+    # A weight change failed after its first copy: the model holds part of it (and packed
+    # copies or graphs perhaps of neither), so the engine serves nothing more (engine/core.py).
+    torn_weights = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy transformers-named tensors into the model in place; returns how many were set.
@@ -39,19 +43,34 @@ class WeightControls:
             strict = True
         else:
             named_shapes, strict = source, self._weights_discarded
+        self._check_awake()
         if self._weights_discarded:   # the weights a full load will fill anyway
             self._materialize_weights()
         self.model.check_weights(named_shapes, strict)
 
     def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
+        self._check_awake()
         if self._weights_discarded:
             self._materialize_weights()
-        loaded = self.model.load_weights(weights, strict=strict)   # re-packs a packed model
+
+        def tearing() -> None:
+            self.torn_weights = True
+
+        # Re-packs a packed model.
+        loaded = self.model.load_weights(weights, strict=strict, before_copy=tearing)
         self._weights_discarded = False
         if not self.model.is_packed:   # weights restored after sleep(level=2)
             self.model.pack_weights()
         self._keep_graphs_valid()
+        self.torn_weights = False
         return len(loaded)
+
+    def _check_awake(self) -> None:
+        # Weights changed in host memory would come back without the packed copies and
+        # graphs made from them on the device.
+        if self._weights_offloaded:
+            raise RuntimeError("sleep(level=1) moved the weights to host memory: call "
+                               "wake_up(tags=['weights']) before changing them")
 
     def sleep(self, level: int) -> None:
         """Level 1 frees the KV cache and moves weights to host memory (a no-op on CPU);
@@ -62,8 +81,10 @@ class WeightControls:
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             self._weights_discarded = True
+            self._weights_offloaded = False   # gone: a full load brings them back
         else:
             self.on_device.offload(self.model)
+            self._weights_offloaded = self.on_device.offloads_weights
         collect_frozen_garbage()   # in a process that froze its start-up objects (gc_freeze.py)
         self.on_device.release_cached_memory()
 
@@ -73,6 +94,7 @@ class WeightControls:
                 raise RuntimeError("sleep(level=2) discarded the weights: call load_weights or "
                                    "update_weights with every weight before wake_up")
             self.on_device.reload(self.model)
+            self._weights_offloaded = False
         if "kv_cache" in tags and not self.kv_caches:
             self._allocate_kv_cache()
         if self.kv_caches and not self._weights_discarded:

@@ -1,9 +1,10 @@
 """A worker's end of a weight transfer from a trainer (treadle/distributed/weight_transfer.py).
 
-Every worker receives every tensor into staging buffers; nothing touches the model until
-`finish`, which applies the round through the runner's update path, so each rank keeps only its
-own shard and a round that fails halfway leaves the old weights in place. Rank 0 hashes what it
-receives into the digest the engine chains into the weights' identity (engine/weights.py).
+Every worker receives every tensor and stages those its pipeline stage holds (of the others,
+only the shape is kept); nothing touches the model until `finish`, which applies the round
+through the runner's update path, so each rank keeps only its own shard and a round that fails
+halfway leaves the old weights in place. Rank 0 hashes what it receives into the digest the
+engine chains into the weights' identity (engine/weights.py).
 """
 
 from __future__ import annotations
@@ -74,14 +75,21 @@ class WeightReceiver:
             raise RuntimeError("no weight transfer group: call init_weight_transfer_engine")
         info = UpdateInfo.parse(update_info)
         layout = info.tensors()
+        sharder = getattr(self.runner.model, "sharder", None)
         received = 0
         try:
             for chunk in info.chunks():
                 part = [layout[i] for i in chunk]
                 for name, tensor in self._receive_chunk(part, info.packed):
-                    self.staged.append((name, tensor))
                     if self.digest is not None:
                         add_to_digest(self.digest, name, tensor)
+                    if sharder is not None and not sharder.owns(name):
+                        # Another pipeline stage's: applying skips it by name, and the shape
+                        # is all a check needs, so no rank stages the whole model.
+                        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    elif info.packed and self.ctx.pp_size > 1:
+                        tensor = tensor.clone()   # a view would keep its whole buffer alive
+                    self.staged.append((name, tensor))
                     received += 1
         except Exception as e:
             self.abort(close_group=True)
@@ -96,12 +104,37 @@ class WeightReceiver:
         if not packed:
             (name, dtype, shape), = part
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            self.group.broadcast(tensor)
+            self._broadcast_whole(tensor, part)
             return [(name, tensor)]
         size = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in part)
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        self.group.broadcast(buffer)
+        self._broadcast_whole(buffer, part)
         return list(unpack(buffer, part))
+
+    def _broadcast_whole(self, tensor: torch.Tensor,
+                         part: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """Receive into `tensor`, refusing a message shorter than it. gloo takes a shorter
+        message into a larger buffer and leaves the rest as it was: a trainer that declared
+        float32 and sent bfloat16, or packed with another buffer size, would have had memory
+        applied as weights. So the buffer's last bytes are set first, to random bytes ending in
+        0xFF (a float weight, little-endian, whose last byte is 0xFF is negative and past 1e38,
+        infinite or NaN), and a message that leaves them all as they were did not reach them.
+        (A longer message than declared is gloo's own error; it aborts the process.)"""
+        assert self.group is not None
+        tail = tensor.view(-1).view(torch.uint8)[-8:]
+        if not tail.numel():
+            self.group.broadcast(tensor)
+            return
+        mark = torch.randint(0, 256, (tail.numel(),), dtype=torch.uint8)
+        mark[-1] = 0xFF
+        tail.copy_(mark)
+        self.group.broadcast(tensor)
+        if torch.equal(tail.cpu(), mark):
+            names = [name for name, _, _ in part]
+            raise ValueError(
+                f"the trainer sent fewer bytes than update_info declares for "
+                f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: its dtype_names, "
+                f"shapes or packed_buffer_size_bytes differ from what it sent")
 
     def check_staged(self) -> None:
         """Raise as applying the round would (after sleep(level=2), a round must hold every

@@ -90,6 +90,9 @@ class Worker:
     def check_weights(self, source: list[tuple[str, tuple[int, ...]]] | str) -> None:
         self.runner.check_weights(source)
 
+    def torn_weights(self) -> bool:
+        return self.runner.torn_weights
+
     # Weights from a trainer process: the engine drives these (engine/weight_transfer.py).
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.weight_receiver.init(init_info)

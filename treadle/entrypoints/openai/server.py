@@ -205,9 +205,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict:
         serving.check_request(body, None)
-        count = await _control(engine.load_weights(body.path, body.weight_version))
-        return {"success": True, "num_tensors": count,
-                "weight_version": await engine.get_weight_version()}
+        count, version = await _control(engine.labelled("load_weights", body.path,
+                                                        body.weight_version))
+        return {"success": True, "num_tensors": count, "weight_version": version}
 
     @app.get("/weight_version")
     async def weight_version() -> dict:
@@ -267,8 +267,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> Response:
+        # Unavailable, as /health says, and for good: a supervisor restarts the server.
         logger.error("%s %s: %s", request.method, request.url.path, exc)
-        return error_response(500, "the engine failed; see the server log")
+        return error_response(503, f"the engine failed and serves nothing more: {exc}")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

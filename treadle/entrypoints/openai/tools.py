@@ -45,14 +45,39 @@ def tool_constraint(req: ChatCompletionRequest, choice: str | NamedToolChoice) -
         return {"json": fn.parameters or _ANY_OBJECT}
     if choice != "required":
         return None
+    # Each tool's parameters sit in the wrapper's $defs, their local $refs ("#", "#/$defs/..")
+    # rebased there: nested in the wrapper as they are, they would resolve against it.
+    defs = {f"tool_{i}": _rebased(t.function.parameters or _ANY_OBJECT, f"#/$defs/tool_{i}")
+            for i, t in enumerate(tools)}
     items = [{"type": "object", "required": ["name", "parameters"], "properties": {
                  "name": {"type": "string", "enum": [t.function.name]},
-                 "parameters": t.function.parameters or _ANY_OBJECT}}
-             for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+                 "parameters": {"$ref": f"#/$defs/tool_{i}"}}}
+             for i, t in enumerate(tools)]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items},
+                              "$defs": defs}
     if not req.parallel_tool_calls:
         schema["maxItems"] = 1
     return {"json": schema}
+
+
+def _rebased(schema: Any, prefix: str) -> Any:
+    """`schema` with each local $ref ("#", "#/...") pointing under `prefix`. Values that are
+    data, not schemas (const, enum, default, examples), are left as they are."""
+    if isinstance(schema, list):
+        return [_rebased(v, prefix) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = prefix + value[1:]
+        elif key in ("const", "enum", "default", "examples"):
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):   # names are not keywords
+            out[key] = {name: _rebased(sub, prefix) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, prefix)
+    return out
 
 
 def tool_call(call: ParsedCall) -> ToolCall:

@@ -48,9 +48,10 @@ def add_weight_transfer_routes(app: FastAPI, engine: AsyncLLM) -> None:
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(weight_version: Annotated[Any, Body(embed=True)] = None) -> dict:
-        count = await _transfer_call(engine.finish_weight_update(weight_version))
+        count, version = await _transfer_call(engine.labelled("finish_weight_update",
+                                                              weight_version))
         return {"message": "Weight update finished", "num_tensors": count,
-                "weight_version": await engine.get_weight_version()}
+                "weight_version": version}
 
 
 async def _transfer_call(call: Any) -> Any:

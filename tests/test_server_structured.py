@@ -18,7 +18,7 @@ from treadle import LLM, SamplingParams
 from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.protocol import ChatCompletionRequest
 from treadle.entrypoints.openai.tool_parsers import get_tool_parser
-from treadle.entrypoints.openai.tools import tool_call, tool_choice_of, tool_constraint
+from treadle.entrypoints.openai.tools import ToolCalls, tool_call, tool_choice_of, tool_constraint
 from treadle.models.loader import load_tokenizer, prepare_model
 
 from tests.test_server import ENGINE_ARGS, MODEL, Server, assert_error
@@ -202,6 +202,29 @@ def test_tool_choice_required_keeps_each_tools_refs(client):
     wrapped = {"label": "a", "kids": [[{"name": "draw_tree", "parameters": args}]]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "draw_tree", "parameters": wrapped}], schema)
+
+
+@pytest.mark.parametrize("choice, text", [
+    ("required", '[\n\n{\n    "'),   # cut short before its first call
+    ("required", '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_w'),
+    ("required", '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'),
+    ({"type": "function", "function": {"name": "get_time"}}, '{\n    "zone": "'),
+    ({"type": "function", "function": {"name": "get_time"}}, '{"zone": "UTC"}')])
+def test_a_forced_tool_call_streams_as_it_is_answered_whole(choice, text):
+    """Cut short by max_tokens, a forced call was content whole, and streamed a call with the
+    partial arguments (named) or nothing at all ("required"; a helper's find)."""
+    request = ChatCompletionRequest(messages=ASK, tools=[WEATHER, TIME], tool_choice=choice)
+    content, calls = ToolCalls(tool_choice_of(request, None), None).extract(text)
+    streamed = ToolCalls(tool_choice_of(request, None), None)
+    parts = [streamed.feed(text[i:i + 7], finished=i + 7 >= len(text)) for i in range(0, len(text), 7)]
+    names, arguments = {}, {}
+    for _, deltas in parts:
+        for delta in deltas:
+            names[delta.index] = names.get(delta.index, "") + (delta.function.name or "")
+            arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert "".join(c for c, _ in parts) == (content or "")
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(names[i], arguments[i]) for i in sorted(names)]
 
 
 def test_tool_choice_required_streamed_equals_whole(client):

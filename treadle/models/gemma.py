@@ -140,7 +140,6 @@ class GemmaModel(nn.Module):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     qk_norm = False
-    activations = ()   # Gemma names its own: hidden_activation, checked below
     stackable = False   # models/layer_stack.py knows only Llama's layers
 
     def __init__(self, config, max_positions: int, ctx: ParallelContext | None = None) -> None:

@@ -256,10 +256,6 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    # The MLP's activations (SiLU-and-mul) that config.hidden_act may name (config.py refuses
-    # others); empty where a family checks its own field.
-    activations: tuple[str, ...] = ("silu", "swish")
-
     def __init__(self, config, max_positions: int, ctx: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config

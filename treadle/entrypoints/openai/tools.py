@@ -88,6 +88,27 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def _required_items(text: str) -> tuple[list, str]:
+    """The complete items of the JSON list `text` holds, and the text after the last of them
+    that is not the list's end: "" for a whole list, the rest of one cut short."""
+    decoder, start = json.JSONDecoder(), text.find("[")
+    if start < 0:
+        return [], text
+    items, pos = [], start + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\n\r,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+    rest = text[pos:]
+    if rest.strip().startswith("]") and not rest.strip()[1:].strip():
+        rest = ""
+    return items, rest if items else (text if rest else "")
+
+
 def _required_calls(items: list) -> list[ParsedCall]:
     return [ParsedCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
 
@@ -103,18 +124,17 @@ class ToolCalls:
         self._text = ""         # required: the JSON list so far
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a whole output. Text that does not parse as the constraint
-        (an output cut short by max_tokens) stays content."""
+        """(content, tool calls) of a whole output, as `feed` streams them. A named function's
+        call carries the text as its arguments, whole or not (as vLLM's); under "required",
+        the list's complete items are calls, and the text after them, where an output cut
+        short by max_tokens left it unparsed, is content."""
         if isinstance(self.choice, NamedToolChoice):
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [tool_call(ParsedCall(self.choice.function.name, text))]
+            return None, [tool_call(ParsedCall(self.choice.function.name, text))] if text else []
         if self.choice == "required":
+            items, rest = _required_items(text)
             try:
-                return None, [tool_call(c) for c in _required_calls(json.loads(text))]
-            except (json.JSONDecodeError, TypeError, KeyError):
+                return rest or None, [tool_call(c) for c in _required_calls(items)]
+            except (TypeError, KeyError):   # not the constraint's shape: left as text
                 return text, []
         if self.choice == "auto":
             content, calls = self.parser.extract(text)
@@ -136,7 +156,8 @@ class ToolCalls:
             return "", deltas
         if self.choice == "required":
             self._text += delta
-            return "", self._deltas(self._complete_required_items())
+            items, rest = _required_items(self._text)
+            return rest if finished else "", self._deltas(_required_calls(items[self.num_streamed:]))
         if self.choice == "auto":
             self.stream = self.stream or self.parser.stream()
             content, calls = self.stream.feed(delta)
@@ -145,21 +166,6 @@ class ToolCalls:
                 content, calls = content + rest, calls + more
             return content, self._deltas(calls)
         return delta, []
-
-    def _complete_required_items(self) -> list[ParsedCall]:
-        """Items of the JSON list that are complete and not sent yet."""
-        decoder, text = json.JSONDecoder(), self._text
-        pos = text.find("[") + 1
-        items = []
-        while pos > 0:
-            while pos < len(text) and text[pos] in " \t\n\r,":
-                pos += 1
-            try:
-                item, pos = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                break
-            items.append(item)
-        return _required_calls(items[self.num_streamed:])
 
     def _deltas(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
         deltas = []

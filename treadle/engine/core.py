@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, NoReturn
 
 import torch
 
@@ -318,7 +318,7 @@ class EngineCore:
             self._rpc("check_weights", (
                 source if isinstance(source, str) else [(n, tuple(t.shape)) for n, t in source],))
         try:
-            count = self._rpc(worker_method, (source,))[0]
+            count = self.executor.collective_rpc(worker_method, (source,))[0]
         except Exception as e:
             self._check_weights_whole(e)
             raise
@@ -331,8 +331,11 @@ class EngineCore:
         with several ranks, one failed after all had checked it and others applied it), the
         model is no one set of weights, under the old ones' identity and label. The workers
         are then replaced, reloading the weights served before, where a restart is allowed
-        (a RuntimeError says so); else the engine is dead. Otherwise nothing changed."""
-        if isinstance(error, EngineDeadError):   # a lost worker: restarted, or dead already
+        (a RuntimeError says so); else the engine is dead. So too where the group died in it.
+        Otherwise nothing changed."""
+        if isinstance(error, WorkerFailedError):   # the group died in it
+            self._replace_lost_workers(error)
+        if isinstance(error, EngineDeadError):
             return
         try:
             torn = (self.config.parallel.world_size > 1
@@ -341,25 +344,29 @@ class EngineCore:
             torn = True
         if not torn:
             return
-        reason = f"a weight change failed with the weights changed in part ({error!r})"
         try:
-            self.executor.fail(reason)
+            self.executor.fail(f"a weight change failed with the weights changed in part "
+                               f"({error!r})")
         except WorkerFailedError as lost:
-            self._lost_workers(lost)   # raises EngineDeadError where no restart is allowed
-        raise RuntimeError(f"{reason}; the workers were restarted with the weights served "
-                           "before it") from error
+            self._replace_lost_workers(lost)
 
     def _rpc(self, method: str | Callable, args: tuple = (),
              kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """A control call to every worker. A group that dies in it is replaced where a restart
-        is allowed, as when a step finds it dead, and the call fails with a RuntimeError (not
-        applied, the engine serving on); else the engine is dead (EngineDeadError)."""
+        """A control call to every worker; a group that dies in it is replaced (or the engine
+        is dead), and the call fails unapplied (_replace_lost_workers)."""
         try:
             return self.executor.collective_rpc(method, args, kwargs)
         except WorkerFailedError as e:
-            self._lost_workers(e)
-            raise RuntimeError(f"{e}: the call was not applied, and the workers were "
-                               "restarted") from e
+            self._replace_lost_workers(e)
+
+    def _replace_lost_workers(self, error: WorkerFailedError) -> NoReturn:
+        """After a control call the group died in, or was given up in: it is replaced, as
+        when a step finds it dead, with the weights served before the call, and the call fails
+        with a RuntimeError (not applied, the engine serving on); where no restart is allowed,
+        the engine is dead (EngineDeadError)."""
+        self._lost_workers(error)
+        raise RuntimeError(f"{error}: the call was not applied, and the workers were "
+                           "restarted") from error
 
     def _weights_changed(self, served: ServedWeights) -> None:
         self.weights = served

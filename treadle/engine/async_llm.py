@@ -135,13 +135,9 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def _check_accepting(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine core failed: {self._dead!r}")
-        # A worker group that died and will not be replaced: refused now, not accepted and
-        # ended with an error by the next step.
-        reason = self.core.failure()
-        if reason is not None:
-            raise EngineDeadError(reason)
+        # A worker group that died and will not be replaced too: refused now, not accepted
+        # and ended with an error by the next step.
+        self._check_alive()
         if self._pause_mode in ("abort", "wait"):
             raise EngineBusyError(f"generation is paused (mode {self._pause_mode!r}); "
                                   "retry after resume_generation()")
@@ -237,6 +233,9 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """Raises EngineDeadError once the engine core has failed, or a worker has died."""
+        self._check_alive()
+
+    def _check_alive(self) -> None:
         # The thread's record first: the loop may not have run _fail_all yet.
         dead = self._dead or self._core.failure()
         if dead is not None:

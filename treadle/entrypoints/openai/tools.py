@@ -103,10 +103,8 @@ def _required_items(text: str) -> tuple[list, str]:
         except json.JSONDecodeError:
             break
         items.append(item)
-    rest = text[pos:]
-    if rest.strip().startswith("]") and not rest.strip()[1:].strip():
-        rest = ""
-    return items, rest if items else (text if rest else "")
+    rest = "" if text[pos:].strip() == "]" else text[pos:]
+    return items, rest if items or not rest else text
 
 
 def _required_calls(items: list) -> list[ParsedCall]:

@@ -30,6 +30,9 @@ class PretrainedReference:
 
     def __init__(self, path: str, overrides: dict[str, torch.Tensor] | None = None) -> None:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # No end of sequence: greedy runs its n tokens as treadle's ignore_eos does, with EOS a
+        # token like any other (min_new_tokens would forbid it instead, changing the argmax).
+        self.model.generation_config.eos_token_id = None
         if overrides:
             with torch.no_grad():
                 params = dict(self.model.named_parameters())
@@ -39,8 +42,8 @@ class PretrainedReference:
     @torch.inference_mode()
     def greedy(self, ids: list[int], n: int = MAX_TOKENS, **generate_kwargs) -> list[int]:
         """`generate_kwargs`: more of generate's, e.g. repetition_penalty (CTRL's, as treadle's)."""
-        out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                   **generate_kwargs)
         return out[0, len(ids):].tolist()
 

@@ -29,6 +29,13 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def core_request(engine, request_id: str):
+    """The engine-core Request behind a client's request (its first sample): the core's ids
+    are the engine's own (invariant 6), not the client's."""
+    sample = engine.output_processor.requests[request_id].samples[0]
+    return engine.core.scheduler.requests[sample.engine_id]
+
+
 def connector_of(llm: LLM):
     """The worker side of the engine's connector (its counters tell what moved)."""
     return llm.engine.core.executor.worker.runner.connector

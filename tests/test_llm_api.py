@@ -274,15 +274,18 @@ def test_priority_policy_runs_urgent_requests_first(smollm2_path):
     assert [o.prompt for o in outs] == ["a", "b"]
 
 
-def test_engine_refuses_an_id_taken_by_another_requests_sample(llm):
+def test_an_id_like_another_requests_sample_is_its_own(llm):
+    """Engine-core ids are the engine's (invariant 6): a client's "0_x" is not request x's
+    first sample, and neither takes the other's tokens."""
     engine = llm.engine
     engine.add_request("x", "Hello", SamplingParams(n=2, max_tokens=2, temperature=0.8, seed=0))
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("0_x", "Hello", SamplingParams(max_tokens=2))
-    finals = []
+    engine.add_request("0_x", "Hello", SamplingParams(max_tokens=3, temperature=0))
+    finals = {}
     while engine.has_unfinished_requests():
-        finals += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in finals] == ["x"] and len(finals[0].outputs) == 2
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert sorted(finals) == ["0_x", "x"]
+    assert [len(c.token_ids) for c in finals["x"].outputs] == [2, 2]
+    assert [len(c.token_ids) for c in finals["0_x"].outputs] == [3]
     no_leaks(llm)
 
 

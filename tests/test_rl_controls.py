@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from tests.kv_fixtures import core_request
 from tests.reference import HFReference
 from tests.test_correctness import TEXTS
 from treadle import (LLM, AsyncLLM, EngineBusyError, EngineDeadError, RequestOutputKind,
@@ -380,7 +381,7 @@ def test_no_prefix_hit_on_kv_computed_before_a_weight_update(llama, prompts, ori
         async def update():
             await engine.pause_generation(mode="keep", clear_cache=False)
             # The precondition: request 0 holds block 0 only partly filled, across the update.
-            assert engine.core.scheduler.requests["0"].num_computed_tokens < 32
+            assert core_request(engine, "0").num_computed_tokens < 32
             await engine.update_weights(perturbed(original_weights))
             await engine.resume_generation()
 
@@ -689,15 +690,15 @@ def test_delta_stream_with_n_samples_loses_nothing(llama, prompts):
     run_engine(llama, body, async_scheduling=True)
 
 
-def test_request_id_equal_to_another_requests_sample_id_is_refused(llama, prompts):
+def test_request_id_like_another_requests_sample_id_is_its_own(llama, reference, prompts):
     async def body(engine: AsyncLLM):
         params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
         started = asyncio.Event()
         running = asyncio.create_task(
             consume(engine, "x", prompts[0], params, on_output=lambda out: started.set()))
-        await started.wait()   # x and its samples 0_x, 1_x are in the engine
-        with pytest.raises(ValueError, match="already in use"):
-            await consume(engine, "0_x", prompts[1])
+        await started.wait()   # x and its two samples are in the engine
+        other = await consume(engine, "0_x", prompts[1])
+        assert other.outputs[0].token_ids == reference(llama).greedy(prompts[1], MAX_TOKENS)
         out = await running
         assert [c.finish_reason for c in out.outputs] == ["length", "length"]
         assert_no_leaks(engine)

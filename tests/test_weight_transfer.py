@@ -10,6 +10,7 @@ ready for a new group. Over HTTP, a real `treadle serve` with the API key.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -230,6 +231,37 @@ def test_two_stages_and_bad_transfers(llama, reference, prompts, original_weight
         trainer.group(llm.init_weight_transfer_engine)
         trainer.transfer(llm, seed=None)
         assert_exact(generate(llm, prompts), prompts, reference(llama))
+
+
+def die_in_finish_on_rank_1(worker) -> None:
+    """Given to collective_rpc: rank 1's process exits as it applies the round."""
+    if worker.ctx.rank == 1:
+        worker.finish_weight_update = lambda: os._exit(3)
+
+
+def test_a_rank_that_dies_applying_a_round_is_replaced(llama, reference, prompts,
+                                                       original_weights, trainer_for):
+    """A rank dies in finish_weight_update's apply, after both checked the round: the group
+    is replaced once, with the weights served before (the other rank may have applied the
+    round), the call fails unapplied, and a new group's round then applies exactly."""
+    with LLM(llama, tensor_parallel_size=2, max_worker_restarts=1, weight_transfer_config=GLOO,
+             **ENGINE_ARGS) as llm:
+        trainer = trainer_for(llama, 2)
+        trainer.group(llm.init_weight_transfer_engine)
+        llm.start_weight_update()
+        info = trainer.call("send", 3, torch.float32, None, True, "send")
+        llm.update_weights({"update_info": info})
+        assert trainer.call()[0] == "sent"
+        llm.collective_rpc(die_in_finish_on_rank_1)
+        with pytest.raises(RuntimeError, match="worker rank 1 died.*not applied.*restarted"):
+            llm.finish_weight_update(3)
+        assert llm.engine.core.num_worker_restarts == 1 and llm.get_weight_version() == 0
+        assert_exact(generate(llm, prompts), prompts, reference(llama))
+        trainer = trainer_for(llama, 2)
+        trainer.group(llm.init_weight_transfer_engine)
+        trainer.transfer(llm, seed=5)
+        assert_exact(generate(llm, prompts), prompts,
+                     HFReference(llama, perturbed(original_weights, seed=5)))
 
 
 def test_the_sender_sends_only_what_update_info_declared():

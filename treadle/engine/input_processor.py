@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Union
 
 from treadle.config import TreadleConfig
@@ -20,6 +21,10 @@ class InputProcessor:
     def __init__(self, config: TreadleConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # Engine-core ids are the client's id and a number never repeated (invariant 6): what
+        # is still in flight for an ended request (a step, a KV load or send, a compile) can
+        # never be taken for a new request that reuses its id.
+        self._tenancies = itertools.count()
         self.vocab_size = config.model.vocab_size
         self.eos_token_id = default_eos_token_id(tokenizer, config.model.hf_config)
         # The other tokens the model's generation config ends a sequence with: each request
@@ -171,11 +176,12 @@ class InputProcessor:
             if (bound := self.config.model.generation.max_tokens) is not None:
                 max_tokens = min(max_tokens, bound)
         requests = []
+        tenancy = f"{request_id}-{next(self._tenancies)}"
         for i in range(params.n):
             child = params
-            engine_id = request_id
+            engine_id = tenancy
             if params.n > 1:
-                engine_id = f"{i}_{request_id}"
+                engine_id = f"{i}_{tenancy}"
                 child = params.clone()
                 child.n = 1
                 if params.seed is not None:

@@ -87,12 +87,11 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, engine_ids: list[str]) -> None:
-        """`engine_ids` names the engine-core request behind each of the n samples."""
-        taken = [e for e in engine_ids if e in self.sample_of]
-        if request_id in self.requests or taken:
-            raise ValueError(f"request_id {request_id!r} is already in use"
-                             + (f" (as the engine id of another request's sample {taken[0]!r})"
-                                if taken else ""))
+        """`engine_ids` names the engine-core request behind each of the n samples: ids the
+        input processor never repeats, so no two requests' samples share one."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        assert not any(e in self.sample_of for e in engine_ids), f"engine ids reused: {engine_ids}"
         state = RequestState(request_id, prompt, prompt_token_ids, params)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)

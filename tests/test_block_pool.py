@@ -158,3 +158,15 @@ def test_usage_counts_cached_but_free_blocks_as_free():
     assert kv.pool.usage() == 0.5
     kv.free(r1)
     assert kv.pool.hash_to_block and kv.pool.usage() == 0.0
+
+
+def test_no_salt_spells_another_first_block_key():
+    """A salt of "long_rope" on a request with short RoPE factors once made the same first-
+    block key as a request with LongRoPE's long factors and no salt: it read that KV (other
+    factors: wrong tokens), and salts no longer kept tenants apart."""
+    tokens = list(range(100, 100 + 2 * BS))
+    salted, long = req("a", tokens, salt="long_rope"), req("b", tokens)
+    long.use_long_rope()
+    assert salted.block_hashes[0] != long.block_hashes[0]
+    again = req("c", tokens, salt="long_rope")
+    assert again.block_hashes == salted.block_hashes   # a salt still hits its own blocks

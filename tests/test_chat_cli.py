@@ -301,3 +301,27 @@ def test_overflow_drops_the_oldest_turns_but_never_the_system_prompt(reference):
     assert pieces[0] == f"[dropped the oldest turn to fit the {context}-token context]\n"
     assert [m["content"] for m in session.turns[:2]] == ["Hi", long]
     assert session.system == [{"role": "system", "content": "You answer in one word."}]
+
+
+REFUSES_SYSTEM = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_fails_says_so_and_the_session_goes_on(reference):
+    """In process: a template that refuses a system turn (Gemma 2's, older Mistral ones) once
+    ended the chat with a jinja2 traceback at the first message."""
+    tokenizer = reference.engine.tokenizer
+    saved, tokenizer.chat_template = tokenizer.chat_template, REFUSES_SYSTEM
+    try:
+        pieces: list[str] = []
+        session = ChatSession(reference.engine, SamplingParams(temperature=0.0, max_tokens=2),
+                              system="You answer in one word.", write=pieces.append)
+        assert session.send("Hello") is None
+        assert pieces[-1] == "[the chat template failed: System role not supported]\n"
+        assert session.turns == []
+        session.system = []
+        assert session.send("Hello") is not None and len(session.turns) == 2
+    finally:
+        tokenizer.chat_template = saved

@@ -6,6 +6,8 @@ out) holds up no later one."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -16,6 +18,7 @@ from treadle import SamplingParams
 from treadle.models.loader import load_hf_config, prepare_model
 from treadle.request import Request
 from treadle.structured_output.backend import GrammarBackend
+from treadle.structured_output.compile_thread import COMPILE_NICENESS, compile_on_thread
 from treadle.structured_output.gate import GrammarGate
 from treadle.structured_output.registry import get_backend
 
@@ -95,3 +98,31 @@ def test_dropped_requests_compiles_hold_up_no_later_one(backend, caplog):
     assert "request q: its grammar compiles" not in caplog.text
     assert "request r: its grammar compiles" in caplog.text
     gate.shutdown()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+def test_a_compile_runs_nicer_than_the_engine_and_so_do_the_threads_it_starts(backend):
+    """On a machine of few cores a slow compile (or an abandoned one, running on) must not
+    slow the steps of every running request: its thread, and the grammar engine's threads it
+    starts, run COMPILE_NICENESS nicer than the engine's."""
+    seen: dict[str, int] = {}
+
+    class Watched:
+        def compile(self, params):
+            seen["compile"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            child = threading.Thread(target=lambda: seen.__setitem__(
+                "child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            child.start()
+            child.join()
+            return backend.compile(params)
+
+    done = threading.Event()
+    results: list = []
+    params = SamplingParams(structured_outputs=quick_regex()).structured_outputs
+    compile_on_thread(Watched, params, "treadle-grammar-nice",
+                      lambda compiled, error: (results.append((compiled, error)), done.set()))
+    assert done.wait(60)
+    assert results[0][0] is not None and results[0][1] is None
+    engine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == {"compile": min(engine + COMPILE_NICENESS, 19),
+                    "child": min(engine + COMPILE_NICENESS, 19)}

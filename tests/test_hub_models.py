@@ -174,3 +174,51 @@ def test_serve_offline_without_the_model_says_how_to_get_it(tmp_path):
 def test_huggingface_hub_is_a_declared_dependency():
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert '"huggingface_hub>=' in pyproject and huggingface_hub.__version__
+
+
+def test_a_mistral_layout_reads_only_the_shards_its_index_names(tmp_path):
+    """Mistral's repos (Mistral-7B-Instruct-v0.3, Nemo, Small) hold HF shards with an index and
+    the same weights again in `consolidated.safetensors` under Mistral's own names: transformers
+    and vLLM read the shards the index names; treadle read every file and refused the model."""
+    from safetensors.torch import save_file
+
+    from tests.tiny_models import make_tiny_checkpoint
+
+    path = tmp_path / "mistral"
+    make_tiny_checkpoint("mistral", path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    (path / "model.safetensors").unlink()
+    model.save_pretrained(path, max_shard_size="100KB")   # sharded, with an index
+    assert (path / "model.safetensors.index.json").exists()
+    weights = model.state_dict()
+    native = {"tok_embeddings.weight": weights["model.embed_tokens.weight"].clone(),
+              "layers.0.attention.wq.weight": weights["model.layers.0.self_attn.q_proj.weight"].clone()}
+    save_file(native, str(path / "consolidated.safetensors"))
+    prompt = [1, 520, 3027, 314, 2380, 282, 4301, 314]
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(4):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    with LLM(str(path), max_model_len=64, block_size=16, num_kv_blocks=8) as llm:
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ids[len(prompt):]
+
+
+def test_load_weights_by_id_looks_in_the_engines_download_dir(tmp_path, tmp_path_factory,
+                                                              monkeypatch):
+    """An engine started from a Hub id with `download_dir` reloads by id from that cache: it
+    looked in the default cache (offline, a 'not in the cache' error; online, a second
+    download of the whole model)."""
+    cache = tmp_path / "models"
+    add_to_hub_cache(cache, REPO, tiny_checkpoint_dir("llama", tmp_path_factory), COMMIT_MAIN, "main")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "default-cache-empty"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(REPO, download_dir=str(cache), max_model_len=64, block_size=16, num_kv_blocks=8) as llm:
+        before = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+        llm.load_weights(REPO, weight_version="again")
+        after = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+    assert before[0].outputs[0].token_ids == after[0].outputs[0].token_ids
+    assert after[0].weight_version == "again"

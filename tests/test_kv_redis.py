@@ -190,8 +190,12 @@ def test_redis_killed_mid_run_then_restarted(llama, reference, prompts, redis_db
     assert stats(llm).hits > hits and outs[0].num_cached_tokens > 0
 
 
-def test_a_damaged_value_fails_its_checksum_and_is_recomputed(llama, reference, prompts,
-                                                             redis_db):
+@pytest.mark.parametrize("damage", ["a_flipped_byte", "another_type"])
+def test_a_damaged_value_fails_its_load_and_is_recomputed(llama, reference, prompts, redis_db,
+                                                         damage):
+    """A flipped byte fails the block's checksum; a value of another type under its name (a
+    list: another program's, or a key_prefix shared by mistake) fails its GET, and was once
+    kept, so that every later load of it failed too (saves are SET NX)."""
     llm = redis_llm(llama, redis_config(redis_db.url))
     run(llm, [prompts[0]])
     connector_of(llm).flush()
@@ -199,8 +203,12 @@ def test_a_damaged_value_fails_its_checksum_and_is_recomputed(llama, reference, 
     names = client.keys("treadle:kv:*")
     for name in names:
         value = bytearray(client.get(name))
-        value[-4] ^= 0xFF
-        client.set(name, bytes(value))
+        if damage == "a_flipped_byte":
+            value[-4] ^= 0xFF
+            client.set(name, bytes(value))
+        else:
+            client.delete(name)
+            client.rpush(name, b"not a block")
     expected = reference(llama).greedy(prompts[0], MAX_TOKENS)
     assert llm.reset_prefix_cache()
     out = run(llm, [prompts[0]])[0]

@@ -296,3 +296,26 @@ def test_block_size_defaults_to_128_on_cpu_as_vllm(llm, tiny_checkpoints):
     for bad in (0, -16, 2.5):
         with pytest.raises(ValueError, match="block_size"):
             EngineArgs(model=tiny_checkpoints["llama"], block_size=bad).create_config()
+
+
+def test_chat_takes_what_vllms_llm_chat_takes(llm):
+    """Content parts (joined as the server joins them), continue_final_message and tools."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    as_text = llm.chat([{"role": "user", "content": "Hi\nthere"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                    {"type": "text", "text": "there"}]}],
+                     params, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == as_text.prompt_token_ids
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], params,
+                 use_tqdm=False)
+    out = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+                   params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt.endswith("Hel")
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a word",
+                                               "parameters": {"type": "object"}}}]
+    names = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+             "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with_tools = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False,
+                          tools=tools, chat_template=names)[0]
+    assert with_tools.prompt == "[lookup]Hi"

@@ -613,3 +613,54 @@ def test_prompt_logprobs_equal_transformers(client, model_path, reference):
 def test_prompt_logprobs_refused_where_they_cannot_be_returned(client, body):
     error = bad_request(client.completions.create, prompt="x", max_tokens=1, extra_body=body)
     assert error.body["param"] == "prompt_logprobs"
+
+
+# -- logprobs of tokens that hold part of a character ---------------------------------------
+# Byte-level BPE splits most CJK characters and emoji over two or three tokens, each of which
+# decodes alone to U+FFFD. Their chat `bytes` were U+FFFD's, not the token's own (OpenAI's
+# field is there to join such tokens back into characters); completions' `text_offset`
+# counted each as one character and drifted (and streamed offsets differed from whole ones);
+# and two such tokens shared a top_logprobs key, the sampled one's value overwritten.
+
+def test_chat_logprob_bytes_of_a_partial_character(server, tokenizer):
+    ids = tokenizer.encode("日", add_special_tokens=False)
+    assert len(ids) == 2                       # b"\xe6\x97" + b"\xa5"
+    status, body = server.request("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0,
+        "logprobs": True, "allowed_token_ids": [ids[0]]})
+    assert status == 200, body
+    entry = body["choices"][0]["logprobs"]["content"][0]
+    assert entry["bytes"] == list("日".encode()[:2]), entry     # got [239, 191, 189] (U+FFFD)
+
+
+def test_completion_text_offset_indexes_the_text(server, tokenizer):
+    prompt = "日本語😀 ok"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0,
+            "temperature": 0}
+    status, whole = server.request("POST", "/v1/completions", body)
+    assert status == 200, whole
+    lp = whole["choices"][0]["logprobs"]
+    text = whole["choices"][0]["text"]
+    assert text == prompt
+    i = lp["tokens"].index(" ok")
+    assert text[lp["text_offset"][i]:].startswith(" ok"), (lp["text_offset"], text)   # offset 9, not 4
+
+
+def test_completion_text_offset_streamed_equals_whole(server):
+    body = {"model": MODEL, "prompt": "日本語😀 ok", "max_tokens": 4, "echo": True, "logprobs": 0,
+            "temperature": 0}
+    _, whole = server.request("POST", "/v1/completions", body)
+    _, streamed = server.request("POST", "/v1/completions", {**body, "stream": True})
+    events = [json.loads(e[6:]) for e in streamed.split("\n\n") if e.startswith("data: {")]
+    offsets = [o for e in events if e["choices"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"]
+
+
+def test_completion_top_logprobs_keep_the_sampled_tokens_value(server, tokenizer):
+    first = tokenizer.encode("日", add_special_tokens=False)[0]
+    status, body = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "hi", "max_tokens": 1, "temperature": 0, "logprobs": 2,
+        "allowed_token_ids": [first]})
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0][lp["tokens"][0]] == lp["token_logprobs"][0], lp

@@ -858,3 +858,35 @@ def test_llm_generate_while_asleep_does_not_spin(llama, prompts):
     llm.engine.step = capped_step
     with pytest.raises(RuntimeError):
         llm.generate({"prompt_token_ids": prompts[0]}, greedy(4), use_tqdm=False)
+
+
+def test_outputs_held_across_a_weight_change_keep_their_weights_label(llama, reference, prompts,
+                                                                      original_weights):
+    """LLMEngine stepped by hand: a pause drains the step in flight, and its tokens wait for
+    the next step(). They were made by the weights served then, and say so, even where the
+    weights changed before that step (they took the later label)."""
+    llm = LLM(llama, async_scheduling=True, block_size=16)
+    engine, core = llm.engine, llm.engine.core
+    params = greedy()
+    params.output_kind = RequestOutputKind.DELTA
+    engine.add_request("r", {"prompt_token_ids": prompts[0]}, params)
+    tokens, labels = [], []
+
+    def step() -> None:
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+            labels.extend([out.weight_version] * len(out.outputs[0].token_ids))
+
+    while len(tokens) < 3:
+        step()
+    assert core.batch_queue   # a step in flight: the pause drains it
+    core.pause(mode="keep", clear_cache=False)
+    old = len(tokens) + 1   # the step drained holds one token for r
+    core.update_weights(perturbed(original_weights), weight_version="new")
+    core.resume()
+    while engine.has_unfinished_requests():
+        step()
+    assert labels[:old] == [0] * old and set(labels[old:]) == {"new"}
+    assert tokens[:old] == reference(llama).greedy(prompts[0], old)
+    llm.engine.core.drain()
+    llm.engine.core.scheduler.kv_cache.assert_no_leaks()

@@ -115,3 +115,18 @@ def test_a_row_with_no_token_left_among_drafts_keeps_the_tokens_before_it(name, 
     assert out.stop_reason.startswith(f"no token can be sampled after {len(want)} output token(s)")
     if name == "ngram_speculation":
         assert stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_a_draft_kept_before_a_row_with_no_token_left_counts_as_accepted(tiny_checkpoints):
+    """Only "a" may be sampled and the grammar wants "aab": the prefill samples "a", the n-gram
+    proposer drafts "a", which is kept, and the row after it has no token left. The counters
+    took every step with drafts to end in one sample past those kept, and missed this one."""
+    a = 81   # "a" in SmolLM2's tokenizer ("aa" is 11510, "b" is 82)
+    params = SamplingParams(temperature=0, max_tokens=10, allowed_token_ids=[a],
+                            structured_outputs=StructuredOutputsParams(regex="aab"))
+    with LLM(tiny_checkpoints["llama"], speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}) as llm:
+        out = llm.generate({"prompt_token_ids": [a, a, a, a]}, params, use_tqdm=False)[0].outputs[0]
+        stats = llm.get_stats().spec_decoding
+    assert out.token_ids == [a, a] and out.finish_reason == "error"
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 1)

@@ -9,6 +9,7 @@ import torch
 
 from tests.test_correctness import TEXTS, greedy, prompt_ids
 from treadle import LLM, SamplingParams
+from treadle.config import SpeculativeConfig
 from treadle.worker.request_state import RequestSlots
 from treadle.worker.sampler import Sampler, SamplingRow
 from treadle.worker.spec_decode.ngram import NgramProposer
@@ -213,3 +214,11 @@ def test_reused_slots_start_from_their_own_tokens(tiny_checkpoints, reference, s
     monkeypatch.setattr(RequestSlots, "add", leaky_add)
     prompts, got = run_reused_slots(LLM(path, block_size=16, speculative_config=spec))
     assert got != [ref.greedy(p, 24) for p in prompts]
+
+
+@pytest.mark.parametrize("given, bounds", [({"prompt_lookup_max": 1}, (1, 1)),
+                                           ({"prompt_lookup_min": 5}, (5, 5)), ({}, (2, 4))])
+def test_one_ngram_bound_given_sets_the_other_as_vllm_does(given, bounds):
+    """{"prompt_lookup_max": 1} was refused, naming a minimum of 2 the user never wrote."""
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, **given})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == bounds

@@ -39,6 +39,7 @@ class ModelConfig:
     # "int8" (models/linear.py) or "gguf" (models/gguf_weights.py): weight-only, CPU, float32
     quantization: str | None = None
     gguf_file: str | None = None   # the GGUF file `model` was converted from, if any
+    download_dir: str | None = None   # the Hub cache a model given by id is found in
     # Request defaults and EOS tokens from the model's generation_config.json
     # (models/generation_config.py).
     generation: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
@@ -109,7 +110,12 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str) -> "SpeculativeConfig":
-        spec = _json_fields("speculative_config", spec, cls)
+        spec = dict(_json_fields("speculative_config", spec, cls))
+        # As vLLM: one n-gram bound given sets the other (both left out: treadle's 2 and 4).
+        if "prompt_lookup_min" in spec and "prompt_lookup_max" not in spec:
+            spec["prompt_lookup_max"] = spec["prompt_lookup_min"]
+        elif "prompt_lookup_max" in spec and "prompt_lookup_min" not in spec:
+            spec["prompt_lookup_min"] = spec["prompt_lookup_max"]
         config = cls(**spec)
         if config.method != "ngram":
             raise ValueError(f"speculative_config method must be 'ngram', got {config.method!r}")
@@ -418,6 +424,7 @@ class EngineArgs:
                 "when chunked prefill is disabled")
 
         model_cfg = ModelConfig(model=path, hf_config=hf_config, dtype=dtype,
+                                download_dir=self.download_dir,
                                 max_model_len=max_model_len, seed=self.seed,
                                 quantization=self.quantization, gguf_file=gguf_file,
                                 max_model_len_is_explicit=self.max_model_len is not None,

@@ -160,7 +160,9 @@ class Request:
         start = len(self.block_hashes)
         if len(self.all_token_ids) < (start + 1) * bs:
             return   # most new tokens fill no block
-        first_keys = tuple(k for k in (self.cache_salt, "long_rope" if self.long_rope else None) if k)
+        # Tagged, so that no salt can spell another key ("long_rope" as a salt is a salt).
+        first_keys = ((("cache_salt", self.cache_salt),) if self.cache_salt else ()) + (
+            ("long_rope",) if self.long_rope else ())
         for i in range(start, self.num_tokens // bs):
             parent = self.block_hashes[i - 1] if i > 0 else None
             # The salt goes into the first block only; chaining carries it to the rest.

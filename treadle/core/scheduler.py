@@ -442,7 +442,16 @@ class Scheduler:
                 # Rejected drafts were computed but are not part of the sequence.
                 request.num_computed_tokens -= num_in_flight - len(sampled)
                 if num_drafts:
-                    self.spec_stats.observe(num_drafts, len(sampled) - 1)
+                    # The drafts kept are the leading tokens equal to them (the runner's rule):
+                    # not always all tokens but one, as a row with no token left ends the kept
+                    # drafts with no sample after them (ModelRunner._verify). Where the first row
+                    # had none, the one token is a placeholder and nothing was kept.
+                    drafts, accepted = spec_of[rid], 0
+                    if not (errors_of and rid in errors_of and len(sampled) == 1):
+                        while (accepted < min(len(sampled), num_drafts)
+                               and sampled[accepted] == drafts[accepted]):
+                            accepted += 1
+                    self.spec_stats.observe(num_drafts, accepted)
             prompt_lps = prompt_lps_of.get(rid) if prompt_lps_of else None
             if errors_of and rid in errors_of:   # it ends here, without this step's tokens
                 request.status = RequestStatus.FINISHED_ERROR

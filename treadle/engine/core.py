@@ -82,8 +82,11 @@ class EngineCore:
         self.max_steps_in_flight = max_steps_in_flight(config)
         # A step returns at once (sync, one stage) or later, through its .result().
         self.batch_queue: deque[tuple[Any, SchedulerOutput]] = deque()
-        # Outputs of steps finished outside step() (drains, aborts); step() hands them out first.
+        # Outputs of steps finished outside step() (drains, aborts), made by the weights served
+        # now; step() hands them out first.
         self._pending: list[EngineCoreOutput] = []
+        # Outputs held across a weight change, with the weights that made them, oldest first.
+        self._held_before: list[tuple[ServedWeights, list[EngineCoreOutput]]] = []
         self.paused = False
         self.asleep: set[str] = set()     # parts put to sleep and not woken yet
         # Stamped where workers may be restarted: they reload these files, which must still
@@ -109,6 +112,8 @@ class EngineCore:
             # go out by id alone (a helper's hunt). In place: pause("abort") may be extending
             # this very list.
             self._pending[:] = [o for o in self._pending if o.request_id != request.request_id]
+        for _, held in self._held_before:
+            held[:] = [o for o in held if o.request_id != request.request_id]
 
     def add_requests(self, requests: list[Request]) -> None:
         """All of a user request's samples (n > 1), or none of them."""
@@ -136,7 +141,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether step() would do anything now (a compile still running is not work)."""
-        return bool(self._pending or self.batch_queue or self.grammars.has_compiled()
+        return bool(self._pending or self._held_before or self.batch_queue or self.grammars.has_compiled()
                     or (self._can_schedule() and self.scheduler.has_unfinished_requests()))
 
     # -- the step ------------------------------------------------------------------------
@@ -245,9 +250,16 @@ class EngineCore:
     def resume(self) -> None:
         self.paused = False
 
+    def take_held_outputs(self) -> list[tuple[ServedWeights, list[EngineCoreOutput]]]:
+        """Every output held since a drain or abort, in groups by the weights that made
+        them, oldest first: a weight change may have come between a drain and now."""
+        groups = self._held_before + ([(self.weights, self._pending)] if self._pending else [])
+        self._held_before, self._pending = [], []
+        return groups
+
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
-        outputs, self._pending = self._pending, []
-        return outputs
+        """Every output held, in one list (take_held_outputs says which weights made each)."""
+        return [out for _, held in self.take_held_outputs() for out in held]
 
     def abort_all(self) -> list[EngineCoreOutput]:
         """Abort every request; returns a final output (finish_reason "abort") for each."""
@@ -303,7 +315,7 @@ class EngineCore:
         restart reloads and what the served weights' identity is stamped from.
         """
         check_label(weight_version)
-        path = resolve_model(path)
+        path = resolve_model(path, download_dir=self.config.model.download_dir)
         return self._change_weights("load_weights", path,
                                     lambda: self.weights.loaded(path, weight_version))
 
@@ -369,6 +381,9 @@ class EngineCore:
                            "restarted") from error
 
     def _weights_changed(self, served: ServedWeights) -> None:
+        if self._pending:   # made by the weights served until now
+            self._held_before.append((self.weights, self._pending))
+            self._pending = []
         self.weights = served
         # No KV computed with the old weights may be read again, nor any computed on top of it
         # be stored under the new identity.

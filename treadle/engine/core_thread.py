@@ -116,8 +116,9 @@ class EngineCoreThread:
                 self._failure = exc
             # Outputs already produced go out; every request still in the engine ends with an
             # error that says why.
-            self._on_outputs(self.core.take_pending_outputs() + self.core.error_outputs(str(exc)),
-                             self.core.weights)
+            for weights, held in self.core.take_held_outputs():
+                self._on_outputs(held, weights)
+            self._on_outputs(self.core.error_outputs(str(exc)), self.core.weights)
             self._on_error(exc)
             self._fail_waiting_calls(f"the engine core failed: {exc}")
         finally:
@@ -149,9 +150,8 @@ class EngineCoreThread:
                 continue
             # Outputs the call produced (a drain, an abort) go out before its result, and so
             # before any later call (a weight update) can run.
-            pending = self.core.take_pending_outputs()
-            if pending:
-                self._on_outputs(pending, self.core.weights)
+            for weights, held in self.core.take_held_outputs():
+                self._on_outputs(held, weights)
             future.set_result(result)
 
     def _stopped_error(self, reason: str) -> Exception:

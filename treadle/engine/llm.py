@@ -100,21 +100,27 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `chat_template_kwargs`: more variables for the template (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         clash = sorted(set(chat_template_kwargs or ()) & (
-            CHAT_RENDER_ARGUMENTS | {"messages", "add_generation_prompt"}))
+            CHAT_RENDER_ARGUMENTS | {"messages", "add_generation_prompt", "continue_final_message"}))
         if clash:
             raise ValueError(f"chat_template_kwargs must not set {clash}: they are chat()'s own "
                              f"arguments")
         prompts = []
         for conv in conversations:
+            # OpenAI content parts ({"type": "text", ...}) as text, as the server (and vLLM) do.
+            conv = [{**m, "content": content_text(m["content"])}
+                    if isinstance(m.get("content"), list) else m for m in conv]
             text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 **(chat_template_kwargs or {}))
+                                                 continue_final_message=continue_final_message,
+                                                 tools=tools, **(chat_template_kwargs or {}))
             # The template already holds the special tokens; encoding must not add more.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
@@ -217,3 +223,15 @@ class LLM:
                 bar.update(1)
         bar.close()
         return results
+
+
+def content_text(content: str | list[Any] | None) -> str:
+    """A chat message's content as text: OpenAI's text parts joined by newlines, as vLLM does."""
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts are supported, got {part!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)

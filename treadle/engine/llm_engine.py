@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from treadle.config import EngineArgs, TreadleConfig
+from treadle.core.scheduler_output import EngineCoreOutput
 from treadle.engine.core import EngineCore
 from treadle.engine.input_processor import InputProcessor, PromptType
 from treadle.engine.output_processor import OutputProcessor
@@ -43,8 +45,14 @@ class LLMEngine:
             raise
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.core.step()
-        ready, stopped = self.output_processor.process_outputs(outputs, self.core.weight_version)
+        # Outputs held since a drain go out first, each labelled with the weights that made
+        # it: a weight change may have come since.
+        ready = [out for weights, held in self.core.take_held_outputs()
+                 for out in self._process(held, weights.label)]
+        return ready + self._process(self.core.step(), self.core.weight_version)
+
+    def _process(self, outputs: list[EngineCoreOutput], weight_version: Any) -> list[RequestOutput]:
+        ready, stopped = self.output_processor.process_outputs(outputs, weight_version)
         if stopped:
             self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return ready

@@ -19,6 +19,8 @@ import sys
 from types import FrameType
 from typing import Any, Callable
 
+import jinja2
+
 from treadle.config import EngineArgs
 from treadle.engine.llm_engine import LLMEngine
 from treadle.sampling_params import RequestOutputKind, SamplingParams
@@ -96,7 +98,14 @@ class ChatSession:
     def send(self, text: str, stop: Callable[[], bool] = lambda: False) -> str | None:
         """Answer a user message, streaming the reply through `write`; None if not answered."""
         self.turns.append({"role": "user", "content": text})
-        prompt = self._fit(keep=1, continue_final=False)
+        try:
+            prompt = self._fit(keep=1, continue_final=False)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            # e.g. a template that refuses a system turn (Gemma 2, older Mistral): say so and
+            # keep the session, not a traceback that ends it.
+            self.turns.pop()
+            self.write(f"[the chat template failed: {e}]\n")
+            return None
         if prompt is None:
             self.turns.pop()
             return None

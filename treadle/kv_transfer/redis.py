@@ -195,19 +195,26 @@ class RedisConnector(BlockStoreConnector):
     def _read_block(self, load: BlockTransfer) -> None:
         name = self._name(load.key, self.part)
         ttl = self._ttl_ms
-        data = self.link.run(lambda c: c.getex(name, px=ttl) if ttl else c.get(name))
+        try:
+            data = self.link.run(lambda c: c.getex(name, px=ttl) if ttl else c.get(name))
+        except redis.ResponseError as e:   # WRONGTYPE: a value of another type under its name
+            self._drop_damaged(name)
+            raise ValueError(f"{name} holds no block: {e}") from e
         if data is None:
             raise KeyError(f"{name} is not in Redis (expired or evicted)")
         try:
             kv = decode_block(data)
         except ValueError:
-            # Damaged: no one else should load it, and a save may replace it (SET NX).
-            try:
-                self.link.run(lambda c: c.delete(name))
-            except (RedisUnavailable, redis.RedisError):
-                pass
+            self._drop_damaged(name)
             raise
         self._block_in(load.block_id, kv)
+
+    def _drop_damaged(self, name: str) -> None:
+        """No one else should load it, and a save may then replace it (saves are SET NX)."""
+        try:
+            self.link.run(lambda c: c.delete(name))
+        except (RedisUnavailable, redis.RedisError):
+            pass
 
     def wait_for_save(self) -> None:
         """Copies this step's saves out of the cache (the next step may overwrite the blocks)

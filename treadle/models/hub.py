@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 
 # What the engine reads from a repository: configs, tokenizer files, weights.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
+# Mistral's repos hold their weights twice: HF shards (named in the index, which the loader
+# reads) and a mistral-native consolidated.safetensors, as large again.
+IGNORE_PATTERNS = ["consolidated*.safetensors"]
 # `name` or `org/name` (huggingface_hub's rule for repo ids), optionally `/file.gguf`.
 _HUB_ID = re.compile(r"^(?P<repo>(?:[\w.-]+/)?[\w.-]+?)(?:/(?P<file>[\w.-]+\.gguf))?$")
 
@@ -51,7 +54,7 @@ def download_model(model: str, revision: str | None = None, download_dir: str | 
             path = hf_hub_download(repo, filename, revision=revision, cache_dir=download_dir)
         else:
             path = snapshot_download(repo, revision=revision, cache_dir=download_dir,
-                                     allow_patterns=ALLOW_PATTERNS)
+                                     allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
     except RevisionNotFoundError:
         raise ValueError(f"model {model!r} has no revision {revision!r} on the Hub") from None
     except GatedRepoError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -460,7 +460,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True,
-                     before_copy: Callable[[], None] | None = None) -> set[str]:
+                     before_copy: Callable[[], None] | None = None,
+                     local: bool = False) -> set[str]:
         """Copy transformers-named tensors into this model; returns the names consumed.
 
         With strict=True every parameter must be covered (a full checkpoint); a partial
@@ -468,9 +469,10 @@ class LlamaForCausalLM(nn.Module):
         anything is copied, so a refused update leaves the model as it was; `before_copy` is
         called once that check has passed. A packed model re-packs afterwards, so code that
         loads weights this way (e.g. via collective_rpc) needs no extra step; code that edits
-        parameters in place must call pack_weights().
+        parameters in place must call pack_weights(). With local=True, `weights` are what
+        local_weights made of them: this rank's parts, already cut.
         """
-        plan, loaded = self._plan(weights, strict)
+        plan, loaded = self._plan(weights, strict, local)
         if before_copy is not None:
             before_copy()
         for target, tensor in plan:
@@ -491,25 +493,36 @@ class LlamaForCausalLM(nn.Module):
         whose weights also arrive fused or stacked splits them here)."""
         return weights
 
-    def _plan(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool
-              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[str]]:
-        """(parameter slice, tensor) copies for `weights`, and the names they consume."""
-        params = dict(self.named_parameters())
-        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
-        loaded: set[str] = set()
-        covered: set[str] = set()
+    def local_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """What of `weights` this rank holds: (its parameter's name, its part of the tensor,
+        a view), or (name, None) for another pipeline stage's. Weights no parameter takes
+        (a tied head, rotary tables) are left out."""
         for name, tensor in self.checkpoint_weights(weights):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             if "rotary_emb.inv_freq" in name:
                 continue
             if not self.sharder.owns(name):
-                loaded.add(name)   # another pipeline stage's
+                yield name, None
                 continue
             if self.lm_head is not None and name == "model.embed_tokens.weight" \
                     and self.model.embed_tokens is None:
                 name = "lm_head.weight"   # the last stage's copy of a tied embedding
-            tensor = self.sharder.shard(name, tensor)
+            yield name, self.sharder.shard(name, tensor)
+
+    def _plan(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool,
+              local: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[str]]:
+        """(parameter slice, tensor) copies for `weights` (with local=True, local_weights'
+        output), and the names they consume."""
+        params = dict(self.named_parameters())
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        loaded: set[str] = set()
+        covered: set[str] = set()
+        for name, tensor in weights if local else self.local_weights(weights):
+            if tensor is None:
+                loaded.add(name)   # another pipeline stage's
+                continue
             fused = self._fused_target(name)
             if fused is not None:
                 dst, offset, rows = fused

@@ -12,6 +12,7 @@ import functools
 import glob
 import hashlib
 import importlib.util
+import json
 import logging
 import mmap
 import os
@@ -288,6 +289,13 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder!r}")
+    # As transformers and vLLM: where an index names the shards, read only those. Mistral's
+    # repos also hold `consolidated.safetensors`, the same weights under mistral-native names.
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            listed = set(json.load(f).get("weight_map", {}).values())
+        files = [f for f in files if os.path.basename(f) in listed] or files
     for file in files:
         try:   # a truncated or foreign file: bad input, named (a 400 over HTTP), not a crash
             with safe_open(file, framework="pt", device="cpu") as f:

@@ -24,12 +24,14 @@ class WeightControls:
     # copies or graphs perhaps of neither), so the engine serves nothing more (engine/core.py).
     torn_weights = False
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       local: bool = False) -> int:
         """Copy transformers-named tensors into the model in place; returns how many were set.
 
         A subset is fine, except after sleep(level=2), when every weight must come back.
+        With local=True they are the model's local_weights: this rank's parts, already cut.
         """
-        return self._copy_weights(named_tensors, strict=self._weights_discarded)
+        return self._copy_weights(named_tensors, strict=self._weights_discarded, local=local)
 
     def load_weights(self, path: str) -> int:
         """Reload every weight from a folder or GGUF of the same architecture."""
@@ -48,7 +50,8 @@ class WeightControls:
             self._materialize_weights()
         self.model.check_weights(named_shapes, strict)
 
-    def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool) -> int:
+    def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool,
+                      local: bool = False) -> int:
         self._check_awake()
         if self._weights_discarded:
             self._materialize_weights()
@@ -57,7 +60,7 @@ class WeightControls:
             self.torn_weights = True
 
         # Re-packs a packed model.
-        loaded = self.model.load_weights(weights, strict=strict, before_copy=tearing)
+        loaded = self.model.load_weights(weights, strict=strict, before_copy=tearing, local=local)
         self._weights_discarded = False
         if not self.model.is_packed:   # weights restored after sleep(level=2)
             self.model.pack_weights()

@@ -30,7 +30,10 @@ class WeightReceiver:
         self.runner = runner
         self.ctx = ctx
         self.group: TransferGroup | None = None
-        self.staged: list[tuple[str, torch.Tensor]] = []
+        # The round so far: this rank's parts of it (the model's local_weights: None for
+        # another stage's), and every tensor's name and whole shape, for the checks.
+        self.staged: list[tuple[str, torch.Tensor | None]] = []
+        self.received: list[tuple[str, tuple[int, ...]]] = []
         self.digest: Any = None   # of the round's tensors so far, on rank 0
 
     def init(self, init_info: dict[str, Any]) -> None:
@@ -59,7 +62,7 @@ class WeightReceiver:
                     info.master_port, rank, info.world_size, self.config.backend)
 
     def start(self) -> None:
-        self.staged = []
+        self.staged, self.received = [], []
         self.digest = update_digest() if self.ctx.rank == 0 else None
 
     def check(self, update_info: dict[str, Any]) -> None:
@@ -75,7 +78,6 @@ class WeightReceiver:
             raise RuntimeError("no weight transfer group: call init_weight_transfer_engine")
         info = UpdateInfo.parse(update_info)
         layout = info.tensors()
-        sharder = getattr(self.runner.model, "sharder", None)
         received = 0
         try:
             for chunk in info.chunks():
@@ -83,13 +85,12 @@ class WeightReceiver:
                 for name, tensor in self._receive_chunk(part, info.packed):
                     if self.digest is not None:
                         add_to_digest(self.digest, name, tensor)
-                    if sharder is not None and not sharder.owns(name):
-                        # Another pipeline stage's: applying skips it by name, and the shape
-                        # is all a check needs, so no rank stages the whole model.
-                        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-                    elif info.packed and self.ctx.pp_size > 1:
-                        tensor = tensor.clone()   # a view would keep its whole buffer alive
-                    self.staged.append((name, tensor))
+                    self.received.append((name, tuple(tensor.shape)))
+                    # Only this rank's part is kept (of another stage's tensor, nothing), so
+                    # no rank stages the whole model until the round ends.
+                    self.staged += [(local_name, None if piece is None else _own(piece))
+                                    for local_name, piece
+                                    in self.runner.model.local_weights([(name, tensor)])]
                     received += 1
         except Exception as e:
             self.abort(close_group=True)
@@ -139,18 +140,26 @@ class WeightReceiver:
     def check_staged(self) -> None:
         """Raise as applying the round would (after sleep(level=2), a round must hold every
         weight), changing nothing."""
-        self.runner.check_weights([(name, tuple(t.shape)) for name, t in self.staged])
+        self.runner.check_weights(self.received)
 
     def finish(self) -> tuple[int, str | None]:
         """Apply the round; (distinct weights set, rank 0's digest of the round)."""
-        staged, self.staged = self.staged, []
+        staged, self.staged, self.received = self.staged, [], []
         digest, self.digest = self.digest, None
-        count = self.runner.update_weights(staged)
+        count = self.runner.update_weights(staged, local=True)
         return count, digest.hexdigest() if digest is not None else None
 
     def abort(self, close_group: bool) -> None:
         """Drop the staged tensors, and with close_group the group too."""
-        self.staged, self.digest = [], None
+        self.staged, self.received, self.digest = [], [], None
         if close_group and self.group is not None:
             self.group.close()
             self.group = None
+
+
+def _own(piece: torch.Tensor) -> torch.Tensor:
+    """`piece`, or a copy of it where it is a view into more (a shard of a received tensor,
+    a tensor in a packed buffer), which it would keep alive whole."""
+    if piece.untyped_storage().nbytes() > piece.numel() * piece.element_size():
+        return piece.clone()
+    return piece

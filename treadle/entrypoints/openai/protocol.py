@@ -475,4 +475,6 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None   # with return_token_ids: in the first chunk
-    weight_version: Any = None   # the engine's weights when this chunk's tokens were made
+    # The engine's weights when this chunk's last token was made (tokens held back from
+    # earlier chunks, a tool call's or a tag's beginning, may be older).
+    weight_version: Any = None

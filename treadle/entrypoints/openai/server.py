@@ -136,7 +136,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
-            _, tokens, _ = await encode_messages(serving, body)
+            # As chat requests (and vLLM's /tokenize): no special tokens on top of the
+            # template's unless asked; TokenizeRequest's default True is the prompt's.
+            add = "add_special_tokens" in body.model_fields_set and body.add_special_tokens
+            _, tokens, _ = await encode_messages(serving, body, add)
         else:
             for name in ("continue_final_message", "chat_template_kwargs", "documents", "tools"):
                 if getattr(body, name):

@@ -17,9 +17,11 @@ import jinja2.meta
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from treadle.engine.async_llm import AsyncLLM
 from treadle.engine.errors import EngineDeadError
+from treadle.engine.llm import content_text
 from treadle.entrypoints.openai.errors import OpenAIError, sse_error
 from treadle.entrypoints.openai.protocol import (ChatMessage, PromptLogprob, PromptTokensDetails,
                                                   SamplingFields, UsageInfo, unexpected_field)
@@ -330,6 +332,43 @@ def prompt_logprobs(out: RequestOutput, decode: Callable[[list[int]], str]
         for token, lp in entry.items()} for entry in out.prompt_logprobs]
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, char -> byte."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class TokenBytes:
+    """A token's own UTF-8 bytes, for OpenAI's `bytes` field: for a token that holds part of a
+    character (byte-level BPE splits most CJK characters and emoji over two or three tokens;
+    a SentencePiece byte-fallback token is one byte) its text is U+FFFD, whose bytes are not
+    the token's. Memoised per token."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._memo: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        got = self._memo.get(token_id)
+        if got is None:
+            got = self._memo[token_id] = self._raw(token_id, text)
+        return got
+
+    def _raw(self, token_id: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return text.encode("utf-8")
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)    # SentencePiece byte fallback
+        if m is not None:
+            return bytes([int(m.group(1), 16)])
+        alphabet = _byte_level_alphabet()
+        if all(c in alphabet for c in piece):               # byte-level BPE
+            return bytes(alphabet[c] for c in piece)
+        return text.encode("utf-8")
+
+
 def clamp_logprob(value: float) -> float:
     # JSON has no -inf; OpenAI (and vLLM) send -9999.0 for "impossible".
     return max(value, -9999.0)
@@ -337,15 +376,10 @@ def clamp_logprob(value: float) -> float:
 
 def message_text(m: ChatMessage) -> str:
     """A message's content as text: OpenAI's text parts joined by newlines, as vLLM does."""
-    content = m.content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise OpenAIError(400, "only text content parts are supported", "messages")
-            parts.append(part["text"])
-        content = "\n".join(parts)
-    return content or ""
+    try:
+        return content_text(m.content)
+    except ValueError:
+        raise OpenAIError(400, "only text content parts are supported", "messages") from None
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from treadle.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
                                                   ChatLogProb, ChatLogProbs, ChatLogProbsContent,
                                                   ChatResponseMessage, ChatStreamChoice,
                                                   DeltaMessage, TokenizeRequest)
-from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, clamp_logprob,
-                                                 message_text, prompt_logprobs, structured_outputs,
-                                                 usage)
+from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, TokenBytes,
+                                                 clamp_logprob, message_text, prompt_logprobs,
+                                                 structured_outputs, usage)
 from treadle.entrypoints.openai.streams import PromptStreams
 from treadle.entrypoints.openai.tool_parsers.base import ToolParser
 from treadle.entrypoints.openai.tools import ToolCalls, tool_choice_of, tool_constraint
@@ -60,6 +60,9 @@ class ChatServing:
         # None: to the end of the context, or the model's max_new_tokens if less (make_requests).
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise OpenAIError(400, f"max_completion_tokens must be an integer >= 1 or null, got "
+                                   f"{req.max_completion_tokens}", "max_completion_tokens")
         params = serving.sampling_params(
             req, RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
             max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -190,6 +193,7 @@ class _Renderer:
         last = req.messages[-1]
         self.role = "assistant" if add_generation_prompt else last.role
         self.echo = message_text(last) if req.echo and last.role == self.role else ""
+        self.token_bytes = TokenBytes(serving.tokenizer)
 
     def response(self, finals: list[RequestOutput]) -> Response:
         out = finals[0]
@@ -300,8 +304,9 @@ class _Renderer:
                            if item[1].rank is not None and item[1].rank <= num_top),
                           key=lambda item: item[1].rank)[:num_top]
             content.append(ChatLogProbsContent(
-                **_logprob(token_id, entry[token_id], as_ids),
-                top_logprobs=[ChatLogProb(**_logprob(t, lp, as_ids, name_bytes=True))
+                **_logprob(token_id, entry[token_id], as_ids, token_bytes=self.token_bytes),
+                top_logprobs=[ChatLogProb(**_logprob(t, lp, as_ids, name_bytes=True,
+                                                     token_bytes=self.token_bytes))
                               for t, lp in tops]))
         return ChatLogProbs(content=content)
 
@@ -310,11 +315,16 @@ def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called_tools else reason
 
 
-def _logprob(token_id: int, lp: Logprob, as_id: bool = False, name_bytes: bool = False) -> dict:
+def _logprob(token_id: int, lp: Logprob, as_id: bool = False, name_bytes: bool = False,
+             token_bytes: TokenBytes | None = None) -> dict:
     """One token's entry; `as_id`: named "token_id:{id}" (return_tokens_as_token_ids). As in
-    vLLM, its bytes are its text's even so, but a top_logprobs entry's are its name's
-    (`name_bytes`)."""
+    vLLM, its bytes are its token's even so, but a top_logprobs entry's are its name's
+    (`name_bytes`). A token's bytes are its own, also where it holds part of a character and
+    its text is U+FFFD (`token_bytes`)."""
     text = lp.decoded_token or ""
     token = f"token_id:{token_id}" if as_id else text
-    return {"token": token, "logprob": clamp_logprob(lp.logprob),
-            "bytes": list((token if name_bytes else text).encode("utf-8"))}
+    if name_bytes and as_id:
+        raw = token.encode("utf-8")
+    else:
+        raw = token_bytes(token_id, text) if token_bytes is not None else text.encode("utf-8")
+    return {"token": token, "logprob": clamp_logprob(lp.logprob), "bytes": list(raw)}

@@ -8,6 +8,7 @@ generated ones. `echo` with `max_tokens: 0` returns the prompt alone, as vLLM do
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -18,8 +19,8 @@ from starlette.responses import Response
 from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
                                                   CompletionRequest, CompletionResponse)
-from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, clamp_logprob,
-                                                 prompt_logprobs, usage)
+from treadle.entrypoints.openai.serving import (ChoiceProgress, OpenAIServing, TokenBytes,
+                                                 clamp_logprob, prompt_logprobs, usage)
 from treadle.entrypoints.openai.streams import PromptStreams
 from treadle.outputs import RequestOutput
 from treadle.sampling_params import RequestOutputKind
@@ -80,6 +81,27 @@ class CompletionServing:
         return out
 
 
+class _TextOffsets:
+    """Where each token's text starts in a choice's text, token by token: a character split
+    over several tokens counts once, at its first token (each part alone decodes to U+FFFD, one
+    char apiece, and offsets counted from those drift); special tokens count only where the
+    text holds them (the echoed prompt; the output unless skip_special_tokens)."""
+
+    def __init__(self, token_bytes: TokenBytes, special_ids: set[int], skip_special: bool,
+                 start: int) -> None:
+        self.token_bytes = token_bytes
+        self.special_ids = special_ids
+        self.skip_special = skip_special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = start
+
+    def next(self, token_id: int, text: str, in_output: bool) -> int:
+        at = self.chars
+        if not (in_output and self.skip_special and token_id in self.special_ids):
+            self.chars += len(self._decoder.decode(self.token_bytes(token_id, text)))
+        return at
+
+
 class _Renderer:
     """Turns engine outputs into one completion response or its stream of chunks.
 
@@ -96,6 +118,11 @@ class _Renderer:
                              for p in prompts]
         self.id = request_id
         self.created = int(time.time())
+        self.token_bytes = TokenBytes(serving.tokenizer)
+        self.special_ids = set(serving.tokenizer.all_special_ids)
+
+    def _offsets(self, start: int) -> _TextOffsets:
+        return _TextOffsets(self.token_bytes, self.special_ids, self.req.skip_special_tokens, start)
 
     # -- whole response --------------------------------------------------------------------
     def response(self, finals: list[RequestOutput]) -> Response:
@@ -106,7 +133,8 @@ class _Renderer:
                 if self.prompt_only:
                     text, ids, lps = "", [], []
                 choices.append(self._choice(i, out, c.index, text, ids, lps, echo=self.req.echo,
-                                            offset=0, finish_reason=c.finish_reason,
+                                            offsets=self._offsets(0),
+                                            finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason, first=True))
         body = CompletionResponse(id=self.id, created=self.created, model=self.serving.model_name,
                                   choices=choices,
@@ -121,8 +149,10 @@ class _Renderer:
         n = self.req.n
         progress = [ChoiceProgress() for _ in range(len(firsts) * n)]
         # text_offset of the next token, per choice: as vLLM's, the length of the text streamed
-        # so far (a stop string's hold-back can keep it behind the tokens already sent).
-        offsets = [0] * len(progress)
+        # so far (a stop string's hold-back can keep it behind the tokens already sent); the
+        # bytes of a character begun in an earlier chunk stay with the choice's offsets.
+        offsets = [self._offsets(0) for _ in progress]
+        streamed = [0] * len(progress)
         latest = list(firsts)
         every = self.req.stream_options is not None and self.req.stream_options.usage_in_every_chunk
 
@@ -140,10 +170,11 @@ class _Renderer:
                 text, ids, lps = delta.text, delta.token_ids, delta.logprobs
                 if self.prompt_only:
                     text, ids, lps = "", [], []
+                offsets[index].chars = streamed[index]
                 choice = self._choice(i, out, c.index, text, ids, lps, echo, offsets[index],
                                       delta.finish_reason, delta.stop_reason, first)
                 # The echoed prompt counts: its tokens' offsets came first (vLLM leaves it out).
-                offsets[index] += len(choice.text)
+                streamed[index] += len(choice.text)
                 made.append(CompletionResponse(
                     id=self.id, created=self.created, model=self.serving.model_name,
                     choices=[choice], weight_version=out.weight_version,
@@ -164,7 +195,7 @@ class _Renderer:
 
     # -- one choice ----------------------------------------------------------------------------
     def _choice(self, i: int, out: RequestOutput, k: int, text: str, ids: list[int],
-                lps: list | None, echo: bool, offset: int, finish_reason: str | None,
+                lps: list | None, echo: bool, offsets: _TextOffsets, finish_reason: str | None,
                 stop_reason: int | str | None, first: bool) -> CompletionChoice:
         """`echo` puts the prompt (its text, tokens and logprobs) in front of this part; with
         return_token_ids, the `first` part of a choice carries the prompt's ids."""
@@ -174,10 +205,12 @@ class _Renderer:
             prompt_token_ids = list(out.prompt_token_ids) if first else None
         logprobs = None
         if self.req.logprobs is not None:
+            num_prompt = 0
             if echo:
+                num_prompt = len(out.prompt_token_ids)
                 ids = out.prompt_token_ids + ids
                 lps = (out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + (lps or [])
-            logprobs = self._logprobs(ids, lps or [], offset)
+            logprobs = self._logprobs(ids, lps or [], offsets, num_prompt)
         if echo:
             text = self.prompt_texts[i] + text
         prompt_lps = (prompt_logprobs(out, self.serving.tokenizer.decode)
@@ -187,7 +220,8 @@ class _Renderer:
                                 prompt_token_ids=prompt_token_ids, token_ids=token_ids,
                                 prompt_logprobs=prompt_lps)
 
-    def _logprobs(self, ids: list[int], entries: list, offset: int) -> CompletionLogProbs:
+    def _logprobs(self, ids: list[int], entries: list, offsets: _TextOffsets,
+                  num_prompt: int) -> CompletionLogProbs:
         """OpenAI's legacy logprobs: a null entry (the first prompt token) has no logprob."""
         result = CompletionLogProbs()
         decode = self.serving.tokenizer.decode
@@ -201,7 +235,7 @@ class _Renderer:
             # vLLM's "token_id:{id}" names a token that is not whole text (part of a character).
             return f"token_id:{token_id}" if as_ids else text_of(token_id, lp)
 
-        for token_id, entry in zip(ids, entries):
+        for k, (token_id, entry) in enumerate(zip(ids, entries)):
             chosen = entry[token_id] if entry is not None else None
             if entry is None:
                 result.token_logprobs.append(None)
@@ -209,9 +243,12 @@ class _Renderer:
             else:
                 result.token_logprobs.append(clamp_logprob(chosen.logprob))
                 # The chosen token plus the top `logprobs`, keyed by text as OpenAI does.
+                # Two tokens of one text (parts of characters, both U+FFFD) share a key: the
+                # chosen token's value goes in last, so that top_logprobs[tokens[i]] is its own.
                 result.top_logprobs.append({name(tid, lp): clamp_logprob(lp.logprob)
-                                            for tid, lp in entry.items()})
+                                            for tid, lp in sorted(entry.items(),
+                                                                  key=lambda kv: kv[0] == token_id)})
             result.tokens.append(name(token_id, chosen))
-            result.text_offset.append(offset)
-            offset += len(text_of(token_id, chosen))   # offsets into the text, as ever
+            result.text_offset.append(offsets.next(token_id, text_of(token_id, chosen),
+                                                   in_output=k >= num_prompt))
         return result

@@ -314,3 +314,25 @@ def test_two_servers_share_prefixes_through_one_redis(llama, reference, prompts,
         assert tier_hits(second) >= long_blocks
     finally:
         assert second.stop() == 0
+
+
+def test_two_tiers_of_one_class_count_and_show_apart(llama, prompts, redis_db):
+    """A local Redis that is up and a shared one that is down, in one MultiConnector: dropped
+    saves came back from the workers keyed by class name, the down one's charged to the one
+    that is up, and /metrics gave both one label set (duplicate series in a family)."""
+    down = f"redis://127.0.0.1:{free_port()}/0"   # nobody listens: its saves are all dropped
+    tiers = [{"kv_connector": "RedisConnector",
+              "kv_connector_extra_config": {"url": url, "retry_interval_s": RETRY_S}}
+             for url in (redis_db.url, down)]
+    llm = redis_llm(llama, {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"connectors": tiers}})
+    run(llm, prompts[:3])
+    for c in connector_of(llm).connectors:
+        c.flush()
+    run(llm, [prompts[3]])   # its step brings the workers' reports of dropped saves
+    up, lost = llm.get_stats().kv_tiers
+    assert (up.connector, lost.connector) == ("RedisConnector", "RedisConnector#2")
+    assert lost.dropped_saves > 0 and up.dropped_saves == 0 and up.bytes_saved > 0
+    hits = [m for m in _kv_tier_metrics(llm.get_stats()) if m.name == "treadle:kv_tier_hits"]
+    assert [s.labels["connector"] for s in hits[0].samples if s.name.endswith("_total")] == \
+        ["RedisConnector", "RedisConnector#2"]

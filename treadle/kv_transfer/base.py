@@ -70,6 +70,9 @@ class KVConnectorBase:
         self.transfer_config = config.kv_transfer
         self.extra = dict(self.transfer_config.kv_connector_extra_config)
         self._metadata: KVConnectorMetadata | None = None
+        # Its stats' and metrics' label, and its key for reports from the workers: the class's
+        # name (MultiConnector numbers a class it holds more than once).
+        self.name = type(self).__name__
 
     @property
     def is_producer(self) -> bool:

@@ -131,7 +131,7 @@ class BlockStoreConnector(KVConnectorBase):
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
         self._async_loads: dict[str, list[BlockTransfer]] = {}
-        self.stats = KVTierStats(connector=type(self).__name__)
+        self.stats = KVTierStats(connector=self.name)
         # Worker side.
         self._kv_caches: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
@@ -271,7 +271,7 @@ class BlockStoreConnector(KVConnectorBase):
         forgotten, and so is what the request asked to save, as it saved nothing since it was
         admitted (the workers held its saves back): it is not counted as saved. A block that
         failed to load is its loader's alone until then, so it names that request."""
-        blocks, nbytes = output.dropped_saves.get(type(self).__name__, (0, 0))
+        blocks, nbytes = output.dropped_saves.get(self.name, (0, 0))
         self.stats.dropped_saves += blocks
         self.stats.bytes_saved -= nbytes
         invalid = output.invalid_block_ids
@@ -302,7 +302,7 @@ class BlockStoreConnector(KVConnectorBase):
 
     def _snapshot(self) -> KVTierStats:
         loaded = (self.stats.hits - self.stats.failed_loads) * self.block_bytes
-        return dataclasses.replace(self.stats, bytes_loaded=loaded)
+        return dataclasses.replace(self.stats, connector=self.name, bytes_loaded=loaded)
 
     # -- worker side ---------------------------------------------------------------------
     def bind_rank(self, rank: int, pp_rank: int, tp_rank: int) -> None:
@@ -329,7 +329,7 @@ class BlockStoreConnector(KVConnectorBase):
     def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
         with self._dropped_lock:
             dropped, self._dropped = self._dropped, (0, 0)
-        return {type(self).__name__: dropped} if dropped[0] else {}
+        return {self.name: dropped} if dropped[0] else {}
 
     def start_load_kv(self) -> None:
         meta = self._metadata

@@ -70,6 +70,12 @@ class MultiConnector(KVConnectorBase):
         self.connectors: list[KVConnectorBase] = [
             connector_class(sub.kv_connector)(dataclasses.replace(config, kv_transfer=sub), role)
             for sub in sub_configs(self.transfer_config)]
+        # Two tiers of one class (a local Redis and a shared one) are told apart: "X", "X#2".
+        seen: dict[str, int] = {}
+        for c in self.connectors:
+            seen[c.name] = seen.get(c.name, 0) + 1
+            if seen[c.name] > 1:
+                c.name = f"{c.name}#{seen[c.name]}"
         self._chosen: dict[str, int] = {}   # request -> the connector that loads for it
 
     # -- scheduler side ------------------------------------------------------------------

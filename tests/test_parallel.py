@@ -556,3 +556,34 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def num_blocks_of(worker) -> int:
+    return worker.runner.num_blocks
+
+
+def test_a_callers_mistake_in_collective_rpc_is_the_callers_error(tiny_checkpoints, reference,
+                                                                  tmp_path):
+    """executor/base.py's contract, kept by the mp executor too: a misspelt method, or a
+    callable a worker process cannot unpickle (from a module only the caller imports: a
+    notebook cell), is the caller's error, and the workers serve on. Both killed every worker
+    process, and the engine was dead."""
+    path = tiny_checkpoints["llama"]
+    prompts = token_ids(path)[:2]
+    with LLM(path, tensor_parallel_size=2, block_size=16, num_kv_blocks=64,
+             max_num_batched_tokens=64) as llm:
+        with pytest.raises(AttributeError, match="no_such_method"):
+            llm.collective_rpc("no_such_method")
+        (tmp_path / "caller_only.py").write_text("def probe(worker):\n    return 1\n")
+        sys.path.insert(0, str(tmp_path))   # after the workers started: they cannot import it
+        try:
+            import caller_only
+            with pytest.raises(Exception, match="caller_only"):
+                llm.collective_rpc(caller_only.probe)
+        finally:
+            sys.path.remove(str(tmp_path))
+            sys.modules.pop("caller_only", None)
+        assert llm.collective_rpc(num_blocks_of) == [64, 64]
+        assert llm.engine.core.num_worker_restarts == 0
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert_exact(outs, prompts, reference(path))

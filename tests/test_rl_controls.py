@@ -890,3 +890,76 @@ def test_outputs_held_across_a_weight_change_keep_their_weights_label(llama, ref
     assert tokens[:old] == reference(llama).greedy(prompts[0], old)
     llm.engine.core.drain()
     llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_pause_given_up_while_the_core_pauses_leaves_it_as_it_says(llama, reference, prompts,
+                                                                     mode):
+    """A pause_generation that times out (or is cancelled) while the engine thread already
+    pauses (draining a long step): the core's pause still happens. AsyncLLM once went back to
+    "not paused" while the core stayed paused, and no request ran again, with nothing to say
+    why, until a resume."""
+    ref = reference(llama)
+
+    async def body(engine: AsyncLLM):
+        original = engine.core.pause
+
+        def slow_pause(*args, **kwargs):
+            time.sleep(0.5)   # stands in for a drain waiting on a long step in flight
+            return original(*args, **kwargs)
+
+        engine.core.pause = slow_pause
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.pause_generation(mode=mode), timeout=0.2)
+        await asyncio.sleep(0.6)   # the core's pause is done by now, and undone
+        assert not await engine.is_paused() and not engine.core.paused
+        out = await asyncio.wait_for(consume(engine, "next", prompts[1], greedy(8)), timeout=30)
+        assert out.outputs[0].token_ids == ref.greedy(prompts[1], 8)
+        assert_no_leaks(engine)
+
+    run_engine(llama, body)
+
+
+def test_sleep_is_refused_while_requests_wait_to_run_unpaused(llama, reference, prompts):
+    """pause(keep, clear_cache) puts every request back in the waiting queue; a pause("wait")
+    then lets them run again. A sleep at that moment passed its check (none was running yet),
+    and the engine fell asleep under the pause("wait"), which never returned."""
+    ref = reference(llama)
+
+    async def body(engine: AsyncLLM):
+        started = asyncio.Event()
+        running = asyncio.create_task(consume(engine, "r", prompts[0], greedy(200),
+                                              on_output=lambda o: started.set()))
+        await started.wait()
+        await engine.pause_generation(mode="keep", clear_cache=True)
+        wait = asyncio.create_task(engine.pause_generation(mode="wait"))
+        await asyncio.sleep(0)   # pause("wait") lets the kept request run again
+        with pytest.raises(RuntimeError, match="sleep needs a paused or idle engine"):
+            await engine.sleep(1)
+        await asyncio.wait_for(wait, timeout=60)
+        final = await running
+        assert final.outputs[0].token_ids == ref.greedy(prompts[0], 200)
+        await engine.resume_generation()
+        assert_no_leaks(engine)
+
+    run_engine(llama, body)
+
+
+def test_an_abort_cuts_a_waiting_pause_short(llama, prompts):
+    """pause("abort") while a pause("wait") waits for the requests: it queued behind it and
+    returned only once they had all run to max_tokens (over HTTP, nothing can cancel the first
+    /pause?mode=wait), so a trainer could not turn a drain into an abort."""
+    async def body(engine: AsyncLLM):
+        started = asyncio.Event()
+        long = asyncio.create_task(consume(engine, "long", prompts[0], greedy(900),
+                                           on_output=lambda o: started.set()))
+        await started.wait()
+        wait = asyncio.create_task(engine.pause_generation(mode="wait"))
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(engine.pause_generation(mode="abort"), timeout=10)
+        assert (await long).outputs[0].finish_reason == "abort"
+        await wait
+        await engine.resume_generation()
+        assert_no_leaks(engine)
+
+    run_engine(llama, body)

@@ -474,8 +474,13 @@ def test_weight_reload_and_sleep(server, client, llama):
     assert server.request("GET", "/weight_version") == (200, {"weight_version": "v2"})
     assert greedy_text() == before   # the same weights again
 
+    assert server.request("GET", "/is_sleeping") == (200, {"is_sleeping": False})
     assert server.request("POST", "/sleep?level=1")[0] == 200
-    assert server.request("POST", "/wake_up?tags=weights&tags=kv_cache")[0] == 200
+    assert server.request("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    assert server.request("POST", "/wake_up?tags=weights")[0] == 200
+    assert server.request("GET", "/is_sleeping") == (200, {"is_sleeping": True})   # the cache
+    assert server.request("POST", "/wake_up?tags=kv_cache")[0] == 200
+    assert server.request("GET", "/is_sleeping") == (200, {"is_sleeping": False})
     assert greedy_text() == before
 
 

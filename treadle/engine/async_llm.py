@@ -209,8 +209,14 @@ class AsyncLLM:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         self._bind_loop()
+        if mode == "abort" and self._lock().locked():
+            # A pause("wait") holding the lock waits for these requests: end them now, so that
+            # an abort can cut a drain short instead of queueing behind it.
+            for rid in list(self.output_processor.requests):
+                self._abort_now(rid)
         async with self._lock():
             previous, self._pause_mode = self._pause_mode, mode
+            pause_call: Future | None = None
             try:
                 if mode == "abort":
                     for rid in list(self.output_processor.requests):
@@ -218,11 +224,18 @@ class AsyncLLM:
                 elif mode == "wait":
                     await self._call(self.core.prepare_to_finish_requests)
                     await asyncio.wrap_future(self._core.when_idle())
-                await self._call(self.core.pause, mode, clear_cache)
+                if self._dead is not None:
+                    raise EngineDeadError(f"the engine core failed: {self._dead!r}")
+                pause_call = self._core.submit(self.core.pause, mode, clear_cache)
+                await asyncio.wrap_future(pause_call)
             except BaseException:   # refused or cancelled: back to the state before this call
                 self._pause_mode = previous
                 if previous is not None:   # "wait" let kept requests run: freeze them again
                     self._core.submit(self.core.pause, "keep", False)
+                elif pause_call is not None and not pause_call.cancelled():
+                    # Cancelled while the engine thread was already pausing: that pause still
+                    # happens, so undo it after it, or the core stays paused unseen.
+                    self._core.submit(self.core.resume)
                 raise
 
     async def resume_generation(self) -> None:
@@ -255,6 +268,10 @@ class AsyncLLM:
 
     async def is_paused(self) -> bool:
         return self._pause_mode is not None
+
+    async def is_sleeping(self) -> bool:
+        """As vLLM's: from sleep() until every part it put to sleep is woken."""
+        return await self._call(lambda: bool(self.core.asleep))
 
     async def get_engine_status(self) -> dict[str, Any]:
         """Requests with their progress, the KV cache block by block, counters and the pause

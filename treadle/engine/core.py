@@ -422,6 +422,11 @@ class EngineCore:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         self._check_quiet("sleep")
+        if not self.paused and self.has_unfinished_requests():
+            # Requests waiting to run (just preempted by a reset, or let run by pause("wait"))
+            # would stall unseen until wake_up.
+            raise RuntimeError("sleep needs a paused or idle engine: requests are waiting to "
+                               "run; call pause_generation() first")
         # Kept requests lose their KV: they recompute after wake_up.
         cleared = self.reset_prefix_cache(reset_running_requests=True)
         assert cleared, "no block may be held once running requests are reset"

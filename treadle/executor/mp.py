@@ -145,7 +145,7 @@ class MultiprocExecutor(Executor):
     def _send(self, method: str | Callable, args: tuple, kwargs: dict,
               reply_from: set[int]) -> int:
         call_id, self._next_call = self._next_call, self._next_call + 1
-        message = dumps((call_id, method, args, kwargs))
+        message = dumps((call_id, dumps((method, args, kwargs))))
         for rank in range(self.world_size):
             flag = b"1" if rank in reply_from else b"0"
             self._sock.send_multipart([str(rank).encode(), flag, message], copy=False)
@@ -213,7 +213,7 @@ class MultiprocExecutor(Executor):
             try:
                 for rank in range(self.world_size):
                     self._sock.send_multipart(
-                        [str(rank).encode(), b"1", dumps((-1, SHUTDOWN, (), {}))], zmq.NOBLOCK)
+                        [str(rank).encode(), b"1", dumps((-1, dumps((SHUTDOWN, (), {}))))], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             deadline = time.monotonic() + SHUTDOWN_GRACE_S   # one grace period for them all

@@ -57,7 +57,7 @@ class RemoteError:
         cls = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": ValueError,
                "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError,
                "IsADirectoryError": OSError, "NotADirectoryError": OSError,
-               "OSError": OSError}.get(self.kind, RuntimeError)
+               "OSError": OSError, "AttributeError": AttributeError}.get(self.kind, RuntimeError)
         return cls(f"worker rank {self.rank}: {self.kind}: {self.message}")
 
 
@@ -141,8 +141,16 @@ def _serve(rank: int, worker, sock: zmq.Socket) -> None:
 
     while True:
         flag, message = sock.recv_multipart()
-        call_id, method, args, kwargs = pickle.loads(message)
+        call_id, payload = pickle.loads(message)   # the id first: a reply can name its call
         reply = flag == b"1"
+        try:
+            method, args, kwargs = pickle.loads(payload)
+        except Exception as e:   # a callable or argument this process cannot unpickle
+            logger.exception("call %d could not be unpickled", call_id)
+            if held is not None:
+                send_held()
+            send(call_id, False, _remote_error(rank, e))
+            continue
         if held is not None and method not in ("execute_model", "warm_grammar"):
             send_held()
         if method == FINISH_STEP:
@@ -150,9 +158,9 @@ def _serve(rank: int, worker, sock: zmq.Socket) -> None:
         if method == SHUTDOWN:
             sock.send(dumps((call_id, rank, True, None)))
             return
-        fn = (getattr(worker, method) if isinstance(method, str)
-              else functools.partial(method, worker))
         try:
+            fn = (getattr(worker, method) if isinstance(method, str)
+                  else functools.partial(method, worker))
             result, ok = fn(*args, **kwargs), True
         except Exception as e:   # reported to the engine, which decides what it means
             logger.exception("call %s failed", getattr(method, "__name__", method))

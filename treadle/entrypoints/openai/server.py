@@ -221,6 +221,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], model_path: str,
         await _control(engine.sleep(level))
         return {"status": "sleeping", "level": level}
 
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": await engine.is_sleeping()}
+
     @app.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict:
         await _control(engine.wake_up(tags))

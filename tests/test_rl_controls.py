@@ -80,6 +80,15 @@ async def consume(engine: AsyncLLM, rid: str, ids: list[int], params: SamplingPa
     return final
 
 
+async def started(engine: AsyncLLM, rid: str, ids: list[int], params: SamplingParams
+                  ) -> asyncio.Task:
+    """A request run to its end on a task of its own, once its first output is out."""
+    first = asyncio.Event()
+    task = asyncio.create_task(consume(engine, rid, ids, params, on_output=lambda o: first.set()))
+    await first.wait()
+    return task
+
+
 async def assert_busy(engine: AsyncLLM, ids: list[int]) -> None:
     with pytest.raises(EngineBusyError):
         async for _ in engine.generate({"prompt_token_ids": ids}, greedy(4)):
@@ -611,10 +620,7 @@ def test_cancelled_pause_wait_leaves_engine_usable(llama, reference, prompts):
     ref = reference(llama)
 
     async def body(engine: AsyncLLM):
-        started = asyncio.Event()
-        running = asyncio.create_task(consume(engine, "long", prompts[0], greedy(100),
-                                              on_output=lambda o: started.set()))
-        await started.wait()
+        running = await started(engine, "long", prompts[0], greedy(100))
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(engine.pause_generation(mode="wait"), timeout=0.01)
         await engine.resume_generation()
@@ -693,10 +699,7 @@ def test_delta_stream_with_n_samples_loses_nothing(llama, prompts):
 def test_request_id_like_another_requests_sample_id_is_its_own(llama, reference, prompts):
     async def body(engine: AsyncLLM):
         params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
-        started = asyncio.Event()
-        running = asyncio.create_task(
-            consume(engine, "x", prompts[0], params, on_output=lambda out: started.set()))
-        await started.wait()   # x and its two samples are in the engine
+        running = await started(engine, "x", prompts[0], params)   # x, two samples
         other = await consume(engine, "0_x", prompts[1])
         assert other.outputs[0].token_ids == reference(llama).greedy(prompts[1], MAX_TOKENS)
         out = await running
@@ -927,10 +930,7 @@ def test_sleep_is_refused_while_requests_wait_to_run_unpaused(llama, reference, 
     ref = reference(llama)
 
     async def body(engine: AsyncLLM):
-        started = asyncio.Event()
-        running = asyncio.create_task(consume(engine, "r", prompts[0], greedy(200),
-                                              on_output=lambda o: started.set()))
-        await started.wait()
+        running = await started(engine, "r", prompts[0], greedy(200))
         await engine.pause_generation(mode="keep", clear_cache=True)
         wait = asyncio.create_task(engine.pause_generation(mode="wait"))
         await asyncio.sleep(0)   # pause("wait") lets the kept request run again
@@ -950,10 +950,7 @@ def test_an_abort_cuts_a_waiting_pause_short(llama, prompts):
     returned only once they had all run to max_tokens (over HTTP, nothing can cancel the first
     /pause?mode=wait), so a trainer could not turn a drain into an abort."""
     async def body(engine: AsyncLLM):
-        started = asyncio.Event()
-        long = asyncio.create_task(consume(engine, "long", prompts[0], greedy(900),
-                                           on_output=lambda o: started.set()))
-        await started.wait()
+        long = await started(engine, "long", prompts[0], greedy(900))
         wait = asyncio.create_task(engine.pause_generation(mode="wait"))
         await asyncio.sleep(0.1)
         await asyncio.wait_for(engine.pause_generation(mode="abort"), timeout=10)

@@ -115,6 +115,24 @@ def test_an_id_aborted_during_its_asynchronous_load_is_free_at_once(llama, refer
     assert finals["R"].outputs[0].token_ids == reference(llama).greedy(prompts[0], MAX_TOKENS)
 
 
+def test_an_abort_during_an_asynchronous_load_is_done_when_the_engine_says(llama, prompts,
+                                                                          store, tmp_path):
+    """`while engine.has_unfinished_requests(): engine.step()` (LLM.generate's loop) ended
+    while the aborted request's load still held its blocks: they stayed held until some later
+    request made the engine step."""
+    llm = LLM(llama, block_size=BLOCK,
+              kv_transfer_config=kv_config(copy_store(store, tmp_path), "kv_both",
+                                           load_async=True, inject_load_delay_s=0.3))
+    llm.engine.add_request("R", {"prompt_token_ids": prompts[0]}, greedy())
+    llm.engine.step()
+    assert llm.engine.core.scheduler.loading
+    llm.engine.abort_request("R")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.get_stats().kv_cache_usage == 0.0
+    llm.engine.core.scheduler.kv_cache.assert_no_leaks()
+
+
 # -- defect 3's second trigger: a connector that cannot tell yet -------------------------------
 class SlowLookupConnector(SharedStorageConnector):
     """Answers "ask again later" to the first three lookups of each request."""

@@ -67,7 +67,10 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        # And aborted requests' KV loads: they hold blocks until a step hears they ended (as the
+        # server's engine thread steps on). Not sends: a remote reader may never come.
+        return (self.output_processor.has_unfinished_requests()
+                or bool(self.core.scheduler.free_after_load))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.core.reset_prefix_cache(reset_running_requests)

@@ -65,6 +65,8 @@ class Request:
       tenancy: which tenancy of its id and blocks this is, set by the scheduler on every add
         and preemption and unique within it. Work in flight (a step's KV load) is matched to
         the request by it, never by the id alone: clients reuse ids.
+      client_id: the id the client gave (request_id is the engine's: engine/input_processor.py),
+        shown where people look (the console), never used to match anything.
     """
 
     def __init__(
@@ -77,8 +79,10 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_size: int = 16,
+        client_id: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.client_id = request_id if client_id is None else client_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

@@ -188,7 +188,7 @@ class InputProcessor:
                     child.seed = params.seed + i
             req = Request(engine_id, prompt_token_ids, child, self.eos_token_id,
                           arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
-                          block_size=self.config.cache.block_size)
+                          block_size=self.config.cache.block_size, client_id=request_id)
             req.max_tokens = max_tokens
             req.grammar_waits_for = grammar_waits_for
             requests.append(req)

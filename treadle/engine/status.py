@@ -31,7 +31,7 @@ def engine_status(core: EngineCore) -> dict[str, Any]:
                         if core.config.speculative is not None else None),
         "running": [_request(r) for r in running],
         "waiting": [_request(r) for r in waiting]
-        + [{"id": rid, "state": "compiling grammar"} for rid in core.grammars.request_ids()],
+        + [{"id": r.client_id, "state": "compiling grammar"} for r in core.grammars.requests()],
         "kv_cache": _grid(core, running),
         "stats": {
             "kv_cache_usage": stats.kv_cache_usage,
@@ -48,7 +48,7 @@ def engine_status(core: EngineCore) -> dict[str, Any]:
 
 
 def _request(r: Request) -> dict[str, Any]:
-    return {"id": r.request_id, "state": r.status.name.lower(),
+    return {"id": r.client_id, "state": r.status.name.lower(),
             "prompt_tokens": r.num_prompt_tokens, "computed_tokens": r.num_computed_tokens,
             "output_tokens": r.num_output_tokens, "max_tokens": r.max_tokens}
 

@@ -180,6 +180,9 @@ class GrammarGate:
     def request_ids(self) -> list[str]:
         return list(self._held)
 
+    def requests(self) -> list[Request]:
+        return [request for request, _ in self._held.values()]
+
     def shutdown(self) -> None:
         """Start no more compiles (running ones run to their end)."""
         with self._lock:

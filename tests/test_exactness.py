@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import pytest
 
@@ -216,23 +217,25 @@ def test_pause_wait_hands_out_pending_outputs_once(llama, reference, prompts):
     assert core._pending, "the drain should leave outputs pending"
     core.pause("wait", clear_cache=False)
     outputs += core.take_pending_outputs()
-    for out in outputs:
-        tokens[out.request_id] += out.new_token_ids
+    for out in outputs:   # engine-core ids: the client's and a number (invariant 6)
+        tokens[out.request_id.rsplit("-", 1)[0]] += out.new_token_ids
     ref = reference(llama)
     assert tokens == {f"r{i}": ref.greedy(p, 12) for i, p in enumerate(prompts[:3])}
     core.scheduler.kv_cache.assert_no_leaks()
 
 
 def drop_first_sample_of(runner, rid: str, at_step: int) -> None:
-    """Makes the model runner return no token for `rid` on its `at_step`-th step."""
+    """Makes the model runner return no token for the client's request `rid` on its
+    `at_step`-th step (the runner knows it as `rid-<n>`: engine/input_processor.py)."""
     execute, count = runner.execute_model, [0]
 
     def execute_model(so):
         out = execute(so)
         count[0] += 1
-        if count[0] == at_step and rid in out.req_ids:
+        clients = [r.rsplit("-", 1)[0] for r in out.req_ids]
+        if count[0] == at_step and rid in clients:
             sampled = list(out.sampled_token_ids)
-            sampled[out.req_ids.index(rid)] = []
+            sampled[clients.index(rid)] = []
             out = dataclasses.replace(out, sampled_token_ids=sampled)
         return out
 
@@ -242,7 +245,7 @@ def drop_first_sample_of(runner, rid: str, at_step: int) -> None:
 def test_a_sampling_request_without_a_token_is_an_engine_error(llama, prompts):
     llm = LLM(llama)
     drop_first_sample_of(llm.engine.core.executor.worker.runner, "1", at_step=3)
-    with pytest.raises(EngineDeadError, match="request 1 was scheduled to sample 1 token"):
+    with pytest.raises(EngineDeadError, match=r"request 1-\d+ was scheduled to sample 1 token"):
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], greedy(8), use_tqdm=False)
 
 
@@ -251,7 +254,7 @@ def test_a_request_that_finished_before_a_refused_output_is_freed(llama, prompts
     all the same, not left finished in the running list holding its blocks."""
     llm = LLM(llama)
     drop_first_sample_of(llm.engine.core.executor.worker.runner, "1", at_step=2)
-    with pytest.raises(EngineDeadError, match="request 1 was scheduled to sample 1 token"):
+    with pytest.raises(EngineDeadError, match=r"request 1-\d+ was scheduled to sample 1 token"):
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], [greedy(2), greedy(8)],
                      use_tqdm=False)
     scheduler = llm.engine.core.scheduler   # and request 1 was aborted as generate() failed
@@ -270,8 +273,8 @@ def test_a_sampling_request_without_a_token_ends_async_streams_with_an_error(lla
                                            request_id="r"):
             pass
         assert final.finished and final.outputs[0].finish_reason == "error"
-        assert "request r was scheduled to sample" in final.outputs[0].stop_reason
-        with pytest.raises(EngineDeadError, match="request r was scheduled to sample"):
+        assert re.search(r"request r-\d+ was scheduled to sample", final.outputs[0].stop_reason)
+        with pytest.raises(EngineDeadError, match=r"request r-\d+ was scheduled to sample"):
             await engine.check_health()
 
     try:

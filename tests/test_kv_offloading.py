@@ -308,3 +308,24 @@ def test_a_multi_turn_chat_past_the_device_cache_comes_back_from_the_tier(
     assert from_tier > sum(map(len, histories)) // 2
     assert stats.evictions == 0 and stats.failed_loads == 0
     assert stats.bytes_loaded == stats.hits * block_bytes
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_chain_about_to_be_loaded_loses_its_tail_first(llama, block_bytes, load_async):
+    """Blocks about to be read are the most recently used, the head of a chain most of all.
+    They were touched head first, so a chain's head went first and its tail was left with no
+    way to reach it; blocks read asynchronously were not touched at all."""
+    from treadle.kv_transfer.block_store import BlockTransfer
+
+    llm = tier_llm(llama, offload_config(3, block_bytes))
+    tier = llm.engine.core.connector   # the scheduler's side
+    assert not tier.index.add("other") and not tier.index.add("head") and not tier.index.add("tail")
+    loads = [BlockTransfer("r", 1, "head", 0), BlockTransfer("r", 2, "tail", 1)]
+    if load_async:
+        tier._async_loads = {"r": loads}
+    else:
+        tier._loads = loads
+    tier._new_metadata()
+    tier._loads, tier._async_loads = [], {}
+    assert tier.index.add("new") == ["other"]   # the least recently used
+    assert tier.index.add("newer") == ["tail"]   # then the chain's tail, before its head

@@ -664,3 +664,13 @@ def test_completion_top_logprobs_keep_the_sampled_tokens_value(server, tokenizer
     assert status == 200, body
     lp = body["choices"][0]["logprobs"]
     assert lp["top_logprobs"][0][lp["tokens"][0]] == lp["token_logprobs"][0], lp
+
+
+@pytest.mark.parametrize("top", [-1, 21])
+def test_a_chat_top_logprobs_out_of_range_is_named(server, top):
+    """It was refused naming logprobs, a field the client sent right."""
+    status, body = server.request("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "logprobs": True, "top_logprobs": top})
+    assert status == 400 and body["error"]["param"] == "top_logprobs", body
+    assert "top_logprobs must be in [0, 20]" in body["error"]["message"]

@@ -97,9 +97,11 @@ class OffloadingConnector(BlockStoreConnector):
         return True
 
     def _new_metadata(self) -> OffloadingMetadata:
-        # Blocks about to be read are the most recently used: evicted last.
-        for load in self._loads:
-            self.index.touch(load.key)
+        # Blocks about to be read (now or asynchronously) are the most recently used, a chain's
+        # head most of all: eviction takes tails first, as a tail is of no use without its head.
+        for loads in (self._loads, *self._async_loads.values()):
+            for load in reversed(loads):
+                self.index.touch(load.key)
         return OffloadingMetadata()
 
     def _finish_meta(self, meta: BlockStoreMetadata) -> None:

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
+from treadle.engine.input_processor import MAX_LOGPROBS
 from treadle.engine.llm import CHAT_RENDER_ARGUMENTS
 from treadle.entrypoints.openai.errors import OpenAIError
 from treadle.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
@@ -44,6 +45,9 @@ class ChatServing:
         serving.check_request(req, req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                   f"{req.top_logprobs}", "top_logprobs")
         if not req.include_reasoning and self.reasoning_parser is None:
             raise OpenAIError(400, "include_reasoning: false needs the server started with "
                                    "--reasoning-parser, to find the reasoning", "include_reasoning")

@@ -432,32 +432,24 @@ def die_in_loads_on_rank_1(worker) -> None:
         worker.runner.load_weights = lambda path: os._exit(3)
 
 
-def test_a_rank_that_dies_in_a_weight_change_is_replaced_once(tiny_checkpoints, reference):
-    """The group is replaced once, with the weights served before: the death was once
-    handled as a control call's, and then again as a change that failed part way, which gave
-    up the new group too (and with one restart allowed, ended the engine)."""
+@pytest.mark.parametrize("breaks, restarts, message", [
+    # The death was once handled as a control call's, and then again as a change that failed
+    # part way, which gave up the new group too (with one restart allowed, ending the engine).
+    (die_in_loads_on_rank_1, 2, "worker rank 1 died.*not applied.*restarted"),
+    # Every rank checked the change, then one failed it and the others applied it: the model
+    # was neither weights, served on as the old ones, with the error the caller's (a 400; a
+    # helper's find).
+    (fail_loads_on_rank_1, 1, "changed in part.*injected.*workers were restarted"),
+], ids=["a_rank_dies", "a_rank_fails"])
+def test_a_weight_change_broken_on_one_rank_replaces_the_group_once(tiny_checkpoints, reference,
+                                                                     breaks, restarts, message):
+    """The group is replaced once, reloading the weights it served before."""
     path = tiny_checkpoints["llama"]
     prompts = token_ids(path)[:2]
-    with LLM(path, tensor_parallel_size=2, max_worker_restarts=2, block_size=16,
+    with LLM(path, tensor_parallel_size=2, max_worker_restarts=restarts, block_size=16,
              num_kv_blocks=64, max_num_batched_tokens=64) as llm:
-        llm.collective_rpc(die_in_loads_on_rank_1)
-        with pytest.raises(RuntimeError, match="worker rank 1 died.*not applied.*restarted"):
-            llm.load_weights(path, weight_version="new")
-        assert llm.engine.core.num_worker_restarts == 1 and llm.get_weight_version() == 0
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
-    assert_exact(outs, prompts, reference(path))
-
-
-def test_a_change_that_fails_on_one_rank_replaces_the_group(tiny_checkpoints, reference):
-    """Every rank checked the change, then one failed it and the others applied it: the model
-    was neither weights, served on as the old ones, with the error the caller's (a 400; a
-    helper's find). The group is replaced now, reloading what it served."""
-    path = tiny_checkpoints["llama"]
-    prompts = token_ids(path)[:2]
-    with LLM(path, tensor_parallel_size=2, max_worker_restarts=1, block_size=16,
-             num_kv_blocks=64, max_num_batched_tokens=64) as llm:
-        llm.collective_rpc(fail_loads_on_rank_1)
-        with pytest.raises(RuntimeError, match="changed in part.*injected.*workers were restarted"):
+        llm.collective_rpc(breaks)
+        with pytest.raises(RuntimeError, match=message):
             llm.load_weights(path, weight_version="new")
         assert llm.engine.core.num_worker_restarts == 1 and llm.get_weight_version() == 0
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)

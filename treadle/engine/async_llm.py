@@ -192,9 +192,12 @@ class AsyncLLM:
 
     async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run a core method on the engine thread, between steps."""
+        return await asyncio.wrap_future(self._submit(fn, *args, **kwargs))
+
+    def _submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
         if self._dead is not None:
             raise EngineDeadError(f"the engine core failed: {self._dead!r}")
-        return await asyncio.wrap_future(self._core.submit(fn, *args, **kwargs))
+        return self._core.submit(fn, *args, **kwargs)
 
     # -- RL controls ---------------------------------------------------------------------
     def _lock(self) -> asyncio.Lock:
@@ -212,21 +215,17 @@ class AsyncLLM:
         if mode == "abort" and self._lock().locked():
             # A pause("wait") holding the lock waits for these requests: end them now, so that
             # an abort can cut a drain short instead of queueing behind it.
-            for rid in list(self.output_processor.requests):
-                self._abort_now(rid)
+            self._abort_every_request()
         async with self._lock():
             previous, self._pause_mode = self._pause_mode, mode
             pause_call: Future | None = None
             try:
                 if mode == "abort":
-                    for rid in list(self.output_processor.requests):
-                        self._abort_now(rid)
+                    self._abort_every_request()
                 elif mode == "wait":
                     await self._call(self.core.prepare_to_finish_requests)
                     await asyncio.wrap_future(self._core.when_idle())
-                if self._dead is not None:
-                    raise EngineDeadError(f"the engine core failed: {self._dead!r}")
-                pause_call = self._core.submit(self.core.pause, mode, clear_cache)
+                pause_call = self._submit(self.core.pause, mode, clear_cache)
                 await asyncio.wrap_future(pause_call)
             except BaseException:   # refused or cancelled: back to the state before this call
                 self._pause_mode = previous
@@ -237,6 +236,10 @@ class AsyncLLM:
                     # happens, so undo it after it, or the core stays paused unseen.
                     self._core.submit(self.core.resume)
                 raise
+
+    def _abort_every_request(self) -> None:
+        for rid in list(self.output_processor.requests):
+            self._abort_now(rid)
 
     async def resume_generation(self) -> None:
         self._bind_loop()

@@ -106,14 +106,13 @@ class EngineCore:
             self.scheduler.check_request(request)
             self.grammars.hold(request)
             self.executor.warm_grammar(request.sampling_params.structured_outputs)
-        if self._pending:
+        if self._pending or self._held_before:
             # Taken (the id was free): outputs held since a drain (a pause, a cache reset) under
             # this id are an ended request's, which its new tenant must not take, since outputs
             # go out by id alone (a helper's hunt). In place: pause("abort") may be extending
             # this very list.
-            self._pending[:] = [o for o in self._pending if o.request_id != request.request_id]
-        for _, held in self._held_before:
-            held[:] = [o for o in held if o.request_id != request.request_id]
+            for held in [self._pending] + [outputs for _, outputs in self._held_before]:
+                held[:] = [o for o in held if o.request_id != request.request_id]
 
     def add_requests(self, requests: list[Request]) -> None:
         """All of a user request's samples (n > 1), or none of them."""
@@ -141,7 +140,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether step() would do anything now (a compile still running is not work)."""
-        return bool(self._pending or self._held_before or self.batch_queue or self.grammars.has_compiled()
+        return bool(self._pending or self._held_before or self.batch_queue
+                    or self.grammars.has_compiled()
                     or (self._can_schedule() and self.scheduler.has_unfinished_requests()))
 
     # -- the step ------------------------------------------------------------------------

@@ -231,7 +231,8 @@ def content_text(content: str | list[Any] | None) -> str:
         return content or ""
     texts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
             raise ValueError(f"only text content parts are supported, got {part!r}")
         texts.append(part["text"])
     return "\n".join(texts)

@@ -8,16 +8,26 @@ import asyncio
 
 import pytest
 
+from tests.conftest import ENGINE_ARGS_ON
 from tests.test_correctness import TEXTS, assert_matches_reference, greedy, prompt_ids
 from treadle import LLM, AsyncLLM, SamplingParams
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 32},
-                                    {"block_size": 8, "num_kv_blocks": 12, "max_num_batched_tokens": 32}])
-def test_tiny_models_async_match_transformers(tiny_checkpoints, reference, arch, config, on_device):
+ARCHS = ["llama", "qwen2", "qwen3"]
+CONFIGS = [{}, {"max_num_batched_tokens": 32},
+           {"block_size": 8, "num_kv_blocks": 12, "max_num_batched_tokens": 32}]
+# Every pair on the CPU; on CUDA, where async scheduling is the default that every engine test
+# runs with, each architecture once and each config once (a case takes about a minute there).
+ASYNC_CASES = ([pytest.param(arch, config, "cpu", id=f"cpu-config{i}-{arch}")
+                for i, config in enumerate(CONFIGS) for arch in ARCHS]
+               + [pytest.param(arch, config, "cuda", id=f"cuda-config{i}-{arch}", marks=pytest.mark.gpu)
+                  for i, (arch, config) in enumerate(zip(ARCHS, CONFIGS))])
+
+
+@pytest.mark.parametrize("arch,config,device", ASYNC_CASES)
+def test_tiny_models_async_match_transformers(tiny_checkpoints, reference, arch, config, device):
     path = tiny_checkpoints[arch]
-    with LLM(path, async_scheduling=True, **config, **on_device) as llm:
+    with LLM(path, async_scheduling=True, **config, **ENGINE_ARGS_ON[device]) as llm:
         assert_matches_reference(llm, reference(path), prompt_ids(llm), max_tokens=40)
         assert llm.engine.core.scheduler.num_in_flight_tokens() == 0
 

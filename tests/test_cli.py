@@ -50,6 +50,9 @@ def test_vllms_boolean_flags_take_both_spellings():
         ns = parser.parse_args(["serve", *flags, "--no-enable-chunked-prefill"])
         assert (ns.enable_prefix_caching, ns.enable_chunked_prefill) == (want, False)
     assert parser.parse_args(["generate", "x", "--enable-chunked-prefill"]).enable_chunked_prefill
+    # Unset, async scheduling follows the device (on for CUDA): config.py's _async_scheduling.
+    assert [parser.parse_args(["serve", *flags]).async_scheduling for flags in
+            ([], ["--async-scheduling"], ["--no-async-scheduling"])] == [None, True, False]
 
 
 def test_bad_flag_value_is_a_clear_error():

@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 
 # name -> one step: (query_lens, context_lens) per request, decodes first; query heads, KV
-# heads, head dim; and split_min_tokens (None: the backend's own, so no split at these lengths).
+# heads, head dim; and split_min_tokens (None: no split, the unified kernel for the whole step).
 CASES = {
     "decode_mha": ([1, 1, 1], [70, 33, 5], 4, 4, 64, None),
     "decode_gqa3": ([1, 1, 1], [70, 33, 5], 6, 2, 64, None),
@@ -79,6 +79,8 @@ def compare_case(case: str, dtype_name: str, device_name: str) -> dict[str, floa
     backend = TritonBackend(device, BLOCK_SIZE)
     if (min_tokens := CASES[case][-1]) is not None:
         backend.split_min_tokens = min_tokens
+    else:
+        backend.split_max_decodes = 0
     meta = backend.build_metadata(*layout)
     got = meta.attend(layer, q, k, v, cache)
     result = {"max_diff": (got.float() - ref.float()).abs().max().item(),
@@ -390,7 +392,9 @@ def test_the_metadata_is_device_tensors_with_the_split_decided_on_the_host():
     positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
     table = np.arange(1, 4 * 130 + 1).reshape(4, 130)
     meta = TritonBackend(CPU, BLOCK_SIZE).build_metadata(q_lens, ctx, positions, table)
-    assert meta.num_decodes == 2 and meta.num_kv_splits == 2000 // TritonBackend.split_min_tokens
+    # Two decodes take up to 64 // 2 ranges each (split_target_ranges), at most 16; 2001 keys
+    # fill them.
+    assert meta.num_decodes == 2 and meta.num_kv_splits == TritonBackend.max_kv_splits == 16
     assert meta.block_table.shape == (4, 126) and meta.block_table.dtype == torch.int32
     assert torch.equal(meta.block_table, torch.from_numpy(table[:, :126]).int())
     assert meta.seq_lens.tolist() == [2001, 901, 34, 20]
@@ -402,6 +406,16 @@ def test_the_metadata_is_device_tensors_with_the_split_decided_on_the_host():
     many = TritonBackend(CPU, BLOCK_SIZE)
     many.split_max_decodes = 1
     assert many.build_metadata(q_lens, ctx, positions, table).num_kv_splits == 1
+
+
+def test_the_split_count_follows_the_batch_as_measured():
+    """As decode_attention.py found on an H200: 16 ranges a decode at 1-4 decodes, 4 at 16, 2 at
+    32, none past 32; a step's longest sequence takes one range per 32 keys, at least one."""
+    backend = TritonBackend(CPU, BLOCK_SIZE)
+    assert [backend.batch_splits(n) for n in (0, 1, 4, 16, 24, 32, 33)] == [1, 16, 16, 4, 2, 2, 1]
+    assert backend.kv_splits(np.full(4, 4096)) == 16 and backend.kv_splits(np.full(16, 1000)) == 4
+    assert backend.kv_splits(np.array([100, 5])) == 3 and backend.kv_splits(np.array([63])) == 1
+    assert backend.kv_splits(np.full(33, 4096)) == 1 and backend.kv_splits(np.zeros(0)) == 1
 
 
 @pytest.mark.parametrize("extra", [{"sliding_window": 8}, {"logit_softcap": 30.0}])

@@ -117,6 +117,7 @@ def run_engine(path: str, prompts: list[list[int]], max_tokens: int, device_name
 
     with mock.patch.dict(os.environ, {triton_gemv.ENV: "1"}), \
             mock.patch.object(triton_gemv, "silu_mul_gemv", wraps=triton_gemv.silu_mul_gemv) as fused, \
+            mock.patch.object(triton_gemv, "gemv", wraps=triton_gemv.gemv) as o_proj, \
             LLM(path, device=device_name, attention_backend="triton", dtype="float32",
                 block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
                 enforce_eager=not on_graph_buffers, **shared_gpu(device_name)) as llm:
@@ -125,7 +126,7 @@ def run_engine(path: str, prompts: list[list[int]], max_tokens: int, device_name
         if on_graph_buffers and device_name == "cpu":
             runner.graphs = graph_buffers(runner, 8)
         return {**together_and_alone(llm, prompts, max_tokens), "fused_layers": len(layers), "layers": len(runner.model.model.layers),
-                "fused_steps": fused.call_count,
+                "fused_steps": fused.call_count, "o_proj_steps": o_proj.call_count,
                 "graph_steps": runner.graphs.num_steps if runner.graphs is not None else 0}
 
 
@@ -170,6 +171,8 @@ def test_interpreted_engine_with_the_fused_launches_matches_transformers(tiny_ch
     # Each layer but the first (no residual yet) of every decode step: 4 in each of the 3 runs
     # alone and the run together, at least; each a graph's step.
     assert result["fused_steps"] >= (result["layers"] - 1) * 4 * 4, result
+    # o_proj by the plain product in the same steps, the first layer's included.
+    assert result["o_proj_steps"] * (result["layers"] - 1) == result["fused_steps"] * result["layers"]
     assert result["graph_steps"] >= 4 * 4, result
 
 
@@ -206,6 +209,8 @@ def test_the_engine_with_the_fused_launches_on_cuda_matches_transformers(tiny_ch
     assert result["fused_layers"] == result["layers"]
     if not graphs:   # a graph's launches run at its capture, and replay without Python
         assert result["fused_steps"] >= (result["layers"] - 1) * 4 * 4, result
+        assert (result["o_proj_steps"] * (result["layers"] - 1)
+                == result["fused_steps"] * result["layers"]), result
 
 
 @pytest.mark.gpu

@@ -87,10 +87,13 @@ class TritonMetadata(AttentionMetadata):
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    # When decodes take the split-KV path: at most this many decodes, each split at least this
-    # many keys, at most this many splits. First guesses, to be measured on a GPU.
-    split_max_decodes = 32
-    split_min_tokens = 512
+    # When decodes take the split-KV path, from benchmarks/gpu/decode_attention.py on an H200
+    # (132 SMs; 8 KV heads, head dim 128, bf16; docs/performance.md, "On a GPU"): the fastest
+    # split count kept about 64 (decode, range) pairs in flight, so 16 ranges at 1-4 decodes, 4
+    # at 16, 2 at 32 (1.1-10x the unified kernel), and at 32 keys a range it still paid.
+    split_max_decodes = 32   # past this many decodes, none split (measured up to 32)
+    split_target_ranges = 64   # (decode, range) pairs a step aims for
+    split_min_tokens = 32   # keys a range holds at least
     max_kv_splits = 16
 
     @classmethod
@@ -144,7 +147,12 @@ class TritonBackend(AttentionBackend):
 
     def kv_splits(self, decode_seq_lens: np.ndarray) -> int:
         """How many key ranges each decode is cut into: 1 for none, or for many decodes."""
-        if not 0 < len(decode_seq_lens) <= self.split_max_decodes:
+        longest = int(decode_seq_lens.max(initial=0))
+        return min(self.batch_splits(len(decode_seq_lens)), max(1, longest // self.split_min_tokens))
+
+    def batch_splits(self, num_decodes: int) -> int:
+        """The most ranges a step of this many decodes cuts each into (1: none split); each
+        sequence takes fewer where it is short (triton_decode.py)."""
+        if not 0 < num_decodes <= self.split_max_decodes:
             return 1
-        longest = int(decode_seq_lens.max())
-        return max(1, min(self.max_kv_splits, longest // self.split_min_tokens))
+        return max(1, min(self.max_kv_splits, self.split_target_ranges // num_decodes))

@@ -48,10 +48,12 @@ def main(ns: argparse.Namespace) -> int:
     engine_args = engine_args_from(ns)
     seed = engine_args.get("seed") or 0
     host = machine()
-    modes = [False, True] if ns.compare_async else [bool(engine_args.get("async_scheduling"))]
-    engines = {}
-    for mode in modes:
-        engines[mode] = LLM(**(engine_args | {"async_scheduling": mode}))
+    if ns.compare_async:
+        engines = {mode: LLM(**(engine_args | {"async_scheduling": mode})) for mode in (False, True)}
+    else:   # as set, or the device's default
+        llm = LLM(**engine_args)
+        engines = {llm.engine.config.scheduler.async_scheduling: llm}
+    modes = list(engines)
     tokenizer = next(iter(engines.values())).get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     latencies: dict[bool, list[float]] = {m: [] for m in modes}

@@ -304,7 +304,7 @@ def main(ns: argparse.Namespace) -> int:
     agree = None
 
     if ns.compare_async:
-        flipped = engine_args | {"async_scheduling": not engine_args.get("async_scheduling")}
+        flipped = engine_args | {"async_scheduling": not llm.engine.config.scheduler.async_scheduling}
         del llm
         gc.collect()
         llm = LLM(**flipped)

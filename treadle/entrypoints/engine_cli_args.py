@@ -62,8 +62,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                        default=True, help="chunked prefill [default: on]")
     group.add_argument("--enforce-eager", action="store_true",
                        help="no CUDA graphs: every decode step launches its kernels from Python")
-    group.add_argument("--async-scheduling", action="store_true",
-                       help="schedule the next step while the current one runs")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule the next step while the current one runs [default: on "
+                            "for CUDA, off on CPUs]")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 3}\'')

@@ -66,6 +66,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     native = False   # RoPE in place by the fused C++ op
     use_triton = False   # RoPE on q and k in place by one Triton kernel
+    # o_proj at a few rows by the Triton product (models/triton_gemv.py): 3.0 against cuBLAS's
+    # 12.3 us for Qwen3-0.6B's at one row in a CUDA graph on an H200. Set by use_triton_ops.
+    few_row_o_proj = False
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  ctx: ParallelContext, sliding_window: int | None = None) -> None:
@@ -114,8 +117,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
                 triton_ops.rope_(q, k, cos, sin, write_kv)
             if write_kv is not None:
-                return self.o_proj(self.attn.attend_written(q, kv_cache, meta))
-            return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+                return self._o_proj(self.attn.attend_written(q, kv_cache, meta))
+            return self._o_proj(self.attn(q, k, v, kv_cache, meta))
         # The fused op rotates whole heads: a partly rotary head takes the Python path.
         rope = self._rope_in_place if self.native and cos.shape[-1] == self.head_dim else apply_rope
         if self.q_norm is None:
@@ -128,6 +131,13 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+    def _o_proj(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_row_o_proj:
+            from treadle.models import triton_gemv
+            if triton_gemv.serves(x.shape[0], self.o_proj.weight):
+                return triton_gemv.gemv(x, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(x)
 
     @staticmethod
     def _rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -414,6 +424,9 @@ class LlamaForCausalLM(nn.Module):
                 module.use_triton = True
             if isinstance(module, DecoderLayer):
                 module.few_row_linears = few_row_linears and module.takes_few_row_linears()
+                # Not a tensor-parallel o_proj: its all-reduce is its own.
+                module.self_attn.few_row_o_proj = (module.few_row_linears
+                                                   and type(module.self_attn.o_proj) is Linear)
 
     def unpack_weights(self) -> None:
         linear.unpack_weights(self)

@@ -1,11 +1,13 @@
 """Linear layers for a few rows (a decode step at batch 1 to 4) in Triton, with the op before
 them in the same launch, for the GPU path: a candidate, timed against what it would replace by
-benchmarks/gpu/fused_ops.py, and taken by the triton backend's Llama-family layers only where
-TREADLE_FEW_ROW_LINEARS=1 until then (`enabled`).
+benchmarks/gpu/fused_ops.py, and taken by the triton backend's Llama-family layers on CUDA
+(`enabled`; TREADLE_FEW_ROW_LINEARS=0 turns them off). On an H200 they took a Qwen3-0.6B decode
+step at batch 1 from 1.92 to 1.82 ms, each fused launch 1.3-4x the path it replaces in a CUDA
+graph (docs/performance.md, "On a GPU").
 
 Why: at batch 1 a decode step's CUDA graph is about 280 small kernels (docs/performance.md, "On
-a GPU"), and each costs a launch slot besides its reads. Three of a Llama layer's nine launches are only a
-prologue of the GEMM after them:
+a GPU"), and each costs a launch slot besides its reads. Three of a Llama layer's nine launches
+are only a prologue of the GEMM after them:
 - `add_norm_gemv`: the residual add and RMSNorm (RMSNorm.add_and_norm) before the qkv and
   gate/up projections: each program normalizes the rows itself, from their sum of squares, as
   it reads them; the first program writes the new residual stream.
@@ -32,7 +34,7 @@ from treadle.models.triton_ops import (_LAUNCH, _ROUND_IN_BITS, _gated, _residua
                                        _rstd, _scale, _silu)
 
 MAX_ROWS = 4   # rows a launch takes (a power of two): larger batches take cuBLAS's GEMMs
-# Until a GPU has timed them, models take these launches only where this is "1".
+# "0": models never take these launches; "1": they do off CUDA too (the interpreter's tests).
 ENV = "TREADLE_FEW_ROW_LINEARS"
 PLAIN, ADD_NORM, SILU_MUL = 0, 1, 2   # the prologue
 # Programs to aim for: a couple per SM of an H100/H200 (132), so that each SM has reads in
@@ -110,10 +112,12 @@ def _gemv_kernel(x_ptr, r_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-def enabled() -> bool:
+def enabled(device: torch.device) -> bool:
     """Whether the triton backend's models fuse their few-row steps here (llama.py's
-    DecoderLayer.few_row_linears): where ENV is "1"."""
-    return os.environ.get(ENV) == "1"
+    DecoderLayer.few_row_linears): on CUDA, unless ENV is "0"; elsewhere (Triton's interpreter)
+    only where it is "1"."""
+    setting = os.environ.get(ENV)
+    return setting == "1" or (setting != "0" and device.type == "cuda")
 
 
 def serves(rows: int, weight: torch.Tensor) -> bool:

@@ -12,9 +12,9 @@ Only the `triton` attention backend can be captured: its metadata is device tens
 grids are upper bounds from shapes, with no value read back (attention/triton_backend.py).
 Where the backend would cut a step's decodes into key ranges (the split-KV path, for a few long
 sequences), the step replays a second graph of its size, captured with the backend's largest
-split count: each sequence takes its ranges from its own length on the device, as an eager
-step's would (attention/triton_decode.py), so one graph serves every length, and the host only
-picks which graph to replay. (A change to the backend's split settings takes a recapture.)
+split count for that size: each sequence takes its ranges from its own length on the device, as
+an eager step's would (attention/triton_decode.py), so one graph serves every length, and the
+host only picks which graph to replay. (A change to the backend's split settings takes a recapture.)
 Mixed steps (prefill chunks, drafts) replay graphs of their own, captured first into the same
 pool (worker/mixed_graphs.py). Sampling stays outside the graph. Anything that moves the
 captured tensors (the KV cache freed by sleep, weights moved to the host and back, parameters
@@ -136,12 +136,8 @@ class DecodeGraphs:
 
     def _splits(self, size: int) -> int:
         """The split count of a step of this padded size whose decodes split: the backend's
-        largest, up to the padded size of the largest batch it splits (beyond it, no graph
-        splits, as no eager step does)."""
-        if self.backend is None or self.backend.split_max_decodes < 1:
-            return 1
-        largest = self.padded_size(min(self.backend.split_max_decodes, self.max_batch))
-        return self.backend.max_kv_splits if size <= largest else 1
+        most for that many decodes, padding included (a padding row takes one range)."""
+        return self.backend.batch_splits(size) if self.backend is not None else 1
 
     # -- inside ------------------------------------------------------------------------------
     def _fill(self, n: int, size: int, input_ids: np.ndarray, positions: np.ndarray,

@@ -112,7 +112,7 @@ class ModelRunner(WeightControls):
             self.model.use_cpu_kernels()
         if self.attention.name == "triton":   # its ops take over the norms, RoPE, activation
             from treadle.models import triton_gemv
-            self.model.use_triton_ops(few_row_linears=triton_gemv.enabled())
+            self.model.use_triton_ops(few_row_linears=triton_gemv.enabled(self.device))
         self.model.pack_weights()
         if self.model.is_packed:
             warm = time.perf_counter()

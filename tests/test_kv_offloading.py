@@ -256,6 +256,12 @@ def test_the_shorthand_builds_an_offloading_config(llama):
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
                              "kv_connector_extra_config": {"cpu_bytes_to_use": -1}}},
      "cpu_bytes_to_use must be a number of bytes > 0"),
+    ({"kv_offloading_size": 2**20}, r"size \(kv_offloading_size, or cpu_bytes_to_use in "
+     r"kv_connector_extra_config\) is 1048576.00 GiB, more than the [0-9.]+ GiB of host memory "
+     r"available now"),
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
+                             "kv_connector_extra_config": {"cpu_bytes_to_use": 2**62}}},
+     "more than the [0-9.]+ GiB of host memory available now"),
     ({"kv_transfer_config": {"kv_connector": "MultiConnector",
                              "kv_connector_extra_config": {"connectors": []}}},
      "connectors must be a non-empty list"),

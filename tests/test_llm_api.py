@@ -311,6 +311,19 @@ def test_async_scheduling_defaults_to_on_for_cuda_only(llm, tiny_checkpoints):
         EngineArgs(model=tiny_checkpoints["llama"], async_scheduling="yes").create_config()
 
 
+def test_cached_tokens_of_n_samples_are_the_prompts_once(tiny_checkpoints):
+    """Usage counts an n > 1 request's prompt once, so its cached tokens are those of the sample
+    that computed the prompt; the samples admitted after it find its blocks cached."""
+    prompt = list(range(100, 180))   # 80 tokens: 5 blocks of 16, 64 tokens a hit can reach
+    params = SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4)
+    with LLM(tiny_checkpoints["llama"], block_size=16, max_num_batched_tokens=32) as llm:
+        first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        again = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        no_leaks(llm)
+    assert len(first.outputs) == 3 and first.num_cached_tokens == 0
+    assert again.num_cached_tokens == 64
+
+
 def test_chat_takes_what_vllms_llm_chat_takes(llm):
     """Content parts (joined as the server joins them), continue_final_message and tools."""
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -252,6 +252,11 @@ def test_continuous_usage_stats_count_every_chunk(client):
     alone = list(client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
                                            stream_options={"continuous_usage_stats": True}))
     assert all(c.usage is not None for c in alone) and not alone[-1].choices
+    # stream_options given at all asks for the usage chunk (vLLM's include_usage defaults true).
+    empty = list(client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                                           stream_options={}))
+    assert not empty[-1].choices and empty[-1].usage.completion_tokens == 2
+    assert all(c.usage is None for c in empty[:-1])
     off = list(client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
                                          stream_options={"continuous_usage_stats": True,
                                                          "include_usage": False}))

@@ -122,7 +122,7 @@ def _first_bad(first: int, block_ids: list[int], invalid_block_ids: set[int]) ->
 def _failure(scheduler: LoadingScheduler, request: Request, first: int, first_bad: int) -> str:
     """Marks the request (it is not offered external KV again) and logs; returns the message."""
     request.kv_load_failed = True
-    message = (f"request {request.request_id}: KV block {first_bad} (of the blocks loaded "
+    message = (f"request {request.client_id}: KV block {first_bad} (of the blocks loaded "
                f"from {first} on) failed to load")
     if scheduler.kv_load_failure_policy == "recompute":
         logger.warning("%s; recomputing from token %d", message, first_bad * scheduler.block_size)

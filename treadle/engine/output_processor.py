@@ -46,6 +46,7 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0   # for delta outputs
+    num_cached_tokens: int | None = None   # its prompt's prefix-cache hit, once reported
 
     @property
     def finished(self) -> bool:
@@ -62,6 +63,8 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: list | None = None
+    # The prompt's prefix-cache hit: with n > 1, the least of the samples' (the one that
+    # computed the prompt; the others find its blocks), as usage counts the prompt once.
     num_cached_tokens: int = 0
     # Timings for metrics, time.monotonic() seconds.
     arrival: float = field(default_factory=time.monotonic)
@@ -121,7 +124,9 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, sample = entry
-            state.num_cached_tokens = out.num_cached_tokens
+            sample.num_cached_tokens = out.num_cached_tokens
+            state.num_cached_tokens = min(s.num_cached_tokens for s in state.samples
+                                          if s.num_cached_tokens is not None)
             state.queue_time = out.queue_time
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treadle.config import available_memory_bytes
 from treadle.core.stats import KVTierStats
 from treadle.kv_transfer.block_store import (BlockStoreConnector, BlockStoreMetadata,
                                              BlockTransfer)
@@ -65,7 +66,16 @@ class OffloadingConnector(BlockStoreConnector):
 
     @classmethod
     def check_config(cls, transfer: KVTransferConfig) -> None:
-        check_cpu_bytes(transfer.kv_connector_extra_config["cpu_bytes_to_use"])
+        size = check_cpu_bytes(transfer.kv_connector_extra_config["cpu_bytes_to_use"])
+        # Allocated whole at start-up (pinned on a GPU, where too much fails obscurely; on a
+        # CPU its pages come as blocks are written, and too much ends in the OOM killer).
+        available = available_memory_bytes()
+        if size > available:
+            raise ValueError(
+                f"the host KV tier's size (kv_offloading_size, or cpu_bytes_to_use in "
+                f"kv_connector_extra_config) is {size / 2**30:.2f} GiB, more than the "
+                f"{available / 2**30:.2f} GiB of host memory available now: lower it, leaving "
+                f"room for the model")
 
     def __init__(self, config: TreadleConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)

@@ -119,14 +119,15 @@ def unexpected_field(model: BaseModel, path: str = "") -> tuple[str, str] | None
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool | None = None   # unset: false, unless continuous_usage_stats (vLLM's)
+    # Unset: true, as vLLM's (stream_options given at all asks for the usage chunk).
+    include_usage: bool | None = None
     include_obfuscation: bool | None = None   # OpenAI's; there is nothing to obfuscate locally
     # vLLM's: every chunk carries the usage so far too.
     continuous_usage_stats: bool | None = None
 
     @property
     def usage_at_the_end(self) -> bool:
-        return bool(self.continuous_usage_stats if self.include_usage is None else self.include_usage)
+        return self.include_usage is not False
 
     @property
     def usage_in_every_chunk(self) -> bool:

@@ -235,6 +235,23 @@ def test_stats_reach_metrics_of_a_real_server(llama, tmp_path):
     assert f"treadle:kv_tier_evictions_total{label}" in lines
 
 
+def test_a_prefix_hot_in_the_device_cache_is_the_last_the_tier_evicts(llama, block_bytes):
+    """Blocks the device's prefix cache serves are touched in the tier's LRU too, so that the
+    tier keeps a hot prefix for when the device's cache lets it go."""
+    a, b, c = ([t + 200 * i for t in range(100, 164)] for i in range(3))   # 4 blocks each
+    with LLM(llama, block_size=BLOCK, kv_transfer_config=offload_config(8, block_bytes)) as llm:
+        index = llm.engine.core.scheduler.connector.index
+        run(llm, [a])
+        keys_a = set(index._keys)
+        run(llm, [b])
+        keys_b = set(index._keys) - keys_a
+        assert len(keys_a) == len(keys_b) == 4
+        run(llm, [a])   # its first 3 blocks from the device's prefix cache, the 4th recomputed
+        assert tier_stats(llm).hits == 0
+        run(llm, [c])   # 4 more blocks: the tier evicts 4
+        assert keys_a <= set(index._keys) and not keys_b & set(index._keys)
+
+
 # -- configuration ------------------------------------------------------------------------
 def test_the_shorthand_builds_an_offloading_config(llama):
     config = EngineArgs(model=llama, kv_offloading_size=0.5).create_config().kv_transfer

@@ -91,6 +91,26 @@ def test_two_instances_share_blocks_exactly(llama, reference, prompts, redis_db)
     assert "treadle:kv_tier_dropped_saves" in metrics
 
 
+def test_blocks_an_instance_hits_in_its_own_cache_do_not_expire_for_the_others(
+        llama, prompts, redis_db):
+    """A prefix served by the instance's prefix cache is never loaded from Redis (no GETEX
+    renews it): the lookup renews it, so that it stays for other instances while it is hot."""
+    llm = redis_llm(llama, redis_config(redis_db.url, ttl_s=600))
+    run(llm, [prompts[0]])
+    connector_of(llm).flush()
+    client = redis_db.client()
+    names = client.keys("treadle:kv:*")
+    for name in names:   # as if saved long ago
+        client.pexpire(name, 5_000)
+    run(llm, [prompts[0]])   # its whole prompt from this instance's prefix cache
+    assert stats(llm).hits == 0
+    renewed = [n for n in names if client.pttl(n) > 500_000]
+    # The prompt's blocks, up to the last token (which is always computed); the blocks of its
+    # output are not looked up again.
+    assert len(renewed) == (len(prompts[0]) - 1) // BLOCK > 0
+    assert all(0 < client.pttl(n) <= 5_000 for n in set(names) - set(renewed))
+
+
 def test_other_models_and_weights_never_hit_but_a_copy_does(
         llama, tiny_checkpoints, tmp_path_factory, tmp_path, reference, prompts, redis_db):
     producer = redis_llm(llama, redis_config(redis_db.url))

@@ -191,8 +191,13 @@ class BlockStoreConnector(KVConnectorBase):
         # Whole blocks after the local hit, leaving the last token to compute (its logits).
         first = num_computed_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size
-        num_blocks = self._num_stored([self.block_key(h) for h in request.block_hashes[first:last]])
+        num_blocks = self._lookup(request.block_hashes, first, last)
         return num_blocks * self.block_size, self.load_async and num_blocks > 0
+
+    def _lookup(self, block_hashes: list, first: int, last: int) -> int:
+        """How many of blocks first..last-1 the store holds, from the first; the prefix cache
+        here served the blocks before `first`."""
+        return self._num_stored([self.block_key(h) for h in block_hashes[first:last]])
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:

@@ -3,7 +3,8 @@
 `{"kv_connector": "RedisConnector", "kv_connector_extra_config": {"url": "redis://host:port/db",
   "ttl_s": 3600}}`. Through redis-py (`pip install 'treadle[redis]'`). Options:
 - `url`: redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path.sock?db=N;
-- `ttl_s`: each block expires this long after it was saved or last loaded (default: never);
+- `ttl_s`: each block expires this long after it was saved, last loaded, or last served by
+  an instance's own prefix cache (default: never);
 - `timeout_s` (0.25): the longest one call to Redis may take, connecting included;
 - `retry_interval_s` (1.0): after Redis could not be reached, how long every call fails at
   once before one tries again;
@@ -174,16 +175,29 @@ class RedisConnector(BlockStoreConnector):
     def _contains(self, key: str) -> bool:
         return self._num_stored([key]) == 1
 
-    def _num_stored(self, keys: list[str]) -> int:
-        """One round trip: which blocks have every rank's part."""
-        if not keys:
+    def _lookup(self, block_hashes: list, first: int, last: int) -> int:
+        if self._ttl_ms is None:
+            return super()._lookup(block_hashes, first, last)
+        # The blocks this instance's own prefix cache serves are never loaded from Redis, so
+        # no GETEX renews them: without a renewal here, the prefixes it uses most (a system
+        # prompt) would expire for every other instance while they are hot here.
+        return self._num_stored([self.block_key(h) for h in block_hashes[first:last]],
+                                renew=[self.block_key(h) for h in block_hashes[:first]])
+
+    def _num_stored(self, keys: list[str], renew: list[str] = ()) -> int:
+        """One round trip: which blocks have every rank's part; the `renew` blocks' parts
+        expire ttl_s from now."""
+        if not keys and not renew:
             return 0
 
         def exists(client: Any) -> list[int]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(*(self._name(key, part) for part in self.parts))
-            return pipe.execute()
+            for key in renew:
+                for part in self.parts:
+                    pipe.pexpire(self._name(key, part), self._ttl_ms)
+            return pipe.execute()[:len(keys)]
 
         try:
             counts = self.link.run(exists)

@@ -36,7 +36,11 @@ def test_generate_with_the_embedded_model():
 
 
 def test_chat_repl_answers_and_exits():
-    out = run("chat", "--max-tokens", "16", stdin="What is the capital of France?\n/reset\n/exit\n")
+    """The model as `treadle serve` takes it, positionally (the embedded one, named)."""
+    from treadle.models.loader import default_model_path
+
+    out = run("chat", default_model_path(), "--max-tokens", "16",
+              stdin="What is the capital of France?\n/reset\n/exit\n")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 

@@ -61,6 +61,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from treadle.entrypoints.chat import run_chat
 
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
     return run_chat(engine_args_from(ns), sampling_params_from(ns), ns.system, _chat_template(ns))
 
 
@@ -199,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat with the model, each reply streamed as it comes. "
                                       "/help in the chat lists its commands; Ctrl-C stops a "
                                       "reply, Ctrl-D leaves.")
+    chat.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                      help="HF folder, .gguf file or Hugging Face Hub id (same as --model)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                       help="chat template (a file, or inline) in place of the tokenizer's")

@@ -290,6 +290,18 @@ def test_bad_tier_configs_are_refused_before_any_model_loads(tmp_path, args, mes
         EngineArgs(model=str(tmp_path / "no-model"), **args).create_config()
 
 
+def test_host_tiers_are_summed_against_the_memory_available(tmp_path):
+    """Two host tiers in a MultiConnector, each 60% of what is available: refused together,
+    once, before any model loads (a worker's check would count its own tier as taken)."""
+    from treadle.config import available_memory_bytes
+
+    each = int(0.6 * available_memory_bytes())
+    tier = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": each}}
+    multi = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [tier, tier]}}
+    with pytest.raises(ValueError, match=rf"is {2 * each / 2**30:.2f} GiB, more than the"):
+        EngineArgs(model=str(tmp_path / "no-model"), kv_transfer_config=multi).create_config()
+
+
 def test_a_budget_under_one_block_is_refused(llama, block_bytes):
     with pytest.raises(ValueError, match="must hold at least one KV block"):
         tier_llm(llama, offload_config(1, block_bytes - 1))

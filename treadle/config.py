@@ -304,10 +304,29 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _async_scheduling(setting: bool | None, device: str) -> bool:
-    """The engine's async_scheduling: as set, or (None) where the device is CUDA."""
+def _check_host_tiers(transfer: KVTransferConfig | None) -> None:
+    """At start-up, before anything is allocated: the host memory the connectors allocate whole
+    (a host KV tier: pinned on a GPU, where too much fails obscurely; on a CPU its pages come
+    as blocks are written, and too much ends in the OOM killer) fits in what is available."""
+    if transfer is None:
+        return
+    from treadle.kv_transfer.registry import connector_class
+
+    size = connector_class(transfer.kv_connector).host_bytes(transfer)
+    available = available_memory_bytes()
+    if size > available:
+        raise ValueError(
+            f"the host KV tier's size (kv_offloading_size, or cpu_bytes_to_use in "
+            f"kv_connector_extra_config) is {size / 2**30:.2f} GiB, more than the "
+            f"{available / 2**30:.2f} GiB of host memory available now: lower it, leaving "
+            f"room for the model")
+
+
+def _async_scheduling(setting: bool | None, device: str, measured: bool = True) -> bool:
+    """The engine's async_scheduling: as set, or (None) on CUDA where it was `measured`
+    faster (docs/performance.md, "On a GPU")."""
     if setting is None:
-        return device.startswith("cuda")
+        return device.startswith("cuda") and measured
     if not isinstance(setting, bool):
         raise ValueError(f"async_scheduling must be true, false or None (on for CUDA, off "
                          f"elsewhere), got {setting!r}")
@@ -334,9 +353,10 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
-    # None: on for CUDA, whose host overlaps the device's step (1.4x the output tokens of 256
-    # requests on an H200, docs/performance.md), off on CPUs, whose host and "device" share
-    # the same cores (docs/performance-log.md); as vLLM turns it on by default.
+    # None: on for one CUDA device with no drafts and no KV connector, where the host's next
+    # step overlaps the device's (1.4x the output tokens of 256 requests on an H200,
+    # docs/performance.md; vLLM turns it on by default too), off elsewhere: on CPUs the host
+    # and the "device" share the cores (docs/performance-log.md), and the rest is unmeasured.
     async_scheduling: bool | None = None
     speculative_config: dict[str, Any] | str | None = None
     kv_transfer_config: dict[str, Any] | str | None = None
@@ -372,6 +392,7 @@ class EngineArgs:
         # Checked before the model is touched: a typo must not cost a model load.
         kv_transfer = KVTransferConfig.from_engine_args(self.kv_transfer_config,
                                                         self.kv_offloading_size)
+        _check_host_tiers(kv_transfer)
         weight_transfer = (WeightTransferConfig.from_dict(self.weight_transfer_config)
                            if self.weight_transfer_config is not None else None)
         parallel = self._parallel_config()
@@ -448,14 +469,17 @@ class EngineArgs:
                                 enable_prefix_caching=self.enable_prefix_caching,
                                 kv_groups=kv_cache_groups(layer_windows(hf_config),
                                                           hybrid=kv_transfer is None))
+        spec_cfg = (SpeculativeConfig.from_dict(self.speculative_config)
+                    if self.speculative_config is not None else None)
+        # Where async scheduling measured faster: one GPU whose runner defers its steps (none
+        # with drafts or a KV connector, whose steps would wait on a worker thread instead).
+        measured = spec_cfg is None and kv_transfer is None and parallel.world_size == 1
         sched_cfg = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                     max_num_batched_tokens=max_batched,
                                     scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
                                     enable_chunked_prefill=self.enable_chunked_prefill,
                                     async_scheduling=_async_scheduling(self.async_scheduling,
-                                                                       device))
-        spec_cfg = (SpeculativeConfig.from_dict(self.speculative_config)
-                    if self.speculative_config is not None else None)
+                                                                       device, measured))
         parallel.check_model(model_cfg)
         _check_devices_per_rank(device, parallel)
         if spec_cfg is not None and parallel.pipeline_parallel_size > 1:

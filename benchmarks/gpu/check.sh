@@ -37,7 +37,7 @@ OPTS=()
 # A module has gpu tests where it marks them, or takes conftest's `on_device` fixture (a cpu
 # and a cuda case). tests/test_gpu_machine_imports.py selects them alike.
 mapfile -t GPU_FILES < <(grep -lE "mark\.gpu|on_device" tests/test_*.py | grep -v test_memory_profile.py)
-run gpu_tests timeout -s INT -k 5 185 "$PY" -m pytest -q -rfE -m gpu ${OPTS[@]+"${OPTS[@]}"} "${GPU_FILES[@]}" \
+run gpu_tests timeout -s INT -k 5 175 "$PY" -m pytest -q -rfE -m gpu ${OPTS[@]+"${OPTS[@]}"} "${GPU_FILES[@]}" \
     --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml"
 # KV sizing by gpu_memory_utilization (the decode graphs' pool counted), and the error when
 # memory is held at start-up: alone on the device, as they measure it.
@@ -46,7 +46,7 @@ run memory_profile timeout 40 "$PY" -m pytest -q -rfE -m gpu tests/test_memory_p
 # Issue 45's workloads (exactness, latency, profile, throughput, serving where the wheels are,
 # transformers' throughput): $OUT/workloads.json. On the triton backend: its kernels, fused ops
 # and decode CUDA graphs are the GPU engine.
-run workloads timeout 195 "$PY" benchmarks/gpu/workloads.py --out "$OUT" \
+run workloads timeout 205 "$PY" benchmarks/gpu/workloads.py --out "$OUT" \
     --engine '{"attention_backend": "triton"}' ${WORKLOAD_PARTS:+--parts "$WORKLOAD_PARTS"}
 # Issue 45's choice for the norms, SiLU-and-mul and RoPE: eager, torch.compile or Triton, timed;
 # then the few-row linears with those ops fused in (models/triton_gemv.py) against the path they

@@ -124,9 +124,10 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, sample = entry
-            sample.num_cached_tokens = out.num_cached_tokens
-            state.num_cached_tokens = min(s.num_cached_tokens for s in state.samples
-                                          if s.num_cached_tokens is not None)
+            if out.new_token_ids or out.finish_reason != "error":   # an error carries no hit
+                sample.num_cached_tokens = out.num_cached_tokens
+            state.num_cached_tokens = min((s.num_cached_tokens for s in state.samples
+                                           if s.num_cached_tokens is not None), default=0)
             state.queue_time = out.queue_time
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params

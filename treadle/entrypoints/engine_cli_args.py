@@ -64,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                        help="no CUDA graphs: every decode step launches its kernels from Python")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule the next step while the current one runs [default: on "
-                            "for CUDA, off on CPUs]")
+                            "for one GPU with no drafts and no KV connector, else off]")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 3}\'')

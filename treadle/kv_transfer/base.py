@@ -64,6 +64,12 @@ class KVConnectorBase:
         """Refuse a bad `kv_connector_extra_config` (a ValueError naming the field), before
         any model loads; required_extra_keys are checked already."""
 
+    @classmethod
+    def host_bytes(cls, transfer: KVTransferConfig) -> int:
+        """Host memory this connector allocates whole at start-up (checked against what is
+        available, before any model loads)."""
+        return 0
+
     def __init__(self, config: TreadleConfig, role: KVConnectorRole) -> None:
         self.config = config
         self.role = role

@@ -65,6 +65,10 @@ class MultiConnector(KVConnectorBase):
     def check_config(cls, transfer: KVTransferConfig) -> None:
         sub_configs(transfer)
 
+    @classmethod
+    def host_bytes(cls, transfer: KVTransferConfig) -> int:
+        return sum(connector_class(sub.kv_connector).host_bytes(sub) for sub in sub_configs(transfer))
+
     def __init__(self, config: TreadleConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
         self.connectors: list[KVConnectorBase] = [

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from treadle.config import available_memory_bytes
 from treadle.core.stats import KVTierStats
 from treadle.kv_transfer.block_store import (BlockStoreConnector, BlockStoreMetadata,
                                              BlockTransfer)
@@ -66,16 +65,13 @@ class OffloadingConnector(BlockStoreConnector):
 
     @classmethod
     def check_config(cls, transfer: KVTransferConfig) -> None:
-        size = check_cpu_bytes(transfer.kv_connector_extra_config["cpu_bytes_to_use"])
-        # Allocated whole at start-up (pinned on a GPU, where too much fails obscurely; on a
-        # CPU its pages come as blocks are written, and too much ends in the OOM killer).
-        available = available_memory_bytes()
-        if size > available:
-            raise ValueError(
-                f"the host KV tier's size (kv_offloading_size, or cpu_bytes_to_use in "
-                f"kv_connector_extra_config) is {size / 2**30:.2f} GiB, more than the "
-                f"{available / 2**30:.2f} GiB of host memory available now: lower it, leaving "
-                f"room for the model")
+        # Its form only: this runs again wherever a MultiConnector is built, the workers'
+        # (tiers allocated by then) included. config.py measures host_bytes, once.
+        check_cpu_bytes(transfer.kv_connector_extra_config["cpu_bytes_to_use"])
+
+    @classmethod
+    def host_bytes(cls, transfer: KVTransferConfig) -> int:
+        return check_cpu_bytes(transfer.kv_connector_extra_config["cpu_bytes_to_use"])
 
     def __init__(self, config: TreadleConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)

@@ -66,6 +66,10 @@ def test_prefixes_evicted_from_the_device_come_back_from_the_tier_exactly(
     assert outs[0].num_cached_tokens == (len(prompts[0]) - 1) // BLOCK * BLOCK
     worker = connector_of(llm)
     assert worker.num_loaded_blocks == stats.hits
+    # A save is counted as the workers report it done, a step after it (the saver thread's):
+    # the last step's, once another step has run.
+    run(llm, [[5, 6, 7]])
+    stats = tier_stats(llm)
     assert worker.num_saved_blocks * block_bytes == stats.bytes_saved == stats.bytes_stored
 
 

@@ -91,7 +91,10 @@ def test_each_rank_moves_its_part_and_a_failure_on_one_rank_cuts_back(
         # first and recomputed from there.
         assert hits == (len(long) - 1) // BLOCK and failed > 0
         assert outs[0].num_cached_tokens == BLOCK
-        assert tier.bytes_loaded - before.bytes_loaded == (hits - failed) * block_bytes
+        # The bytes the ranks loaded: rank 0 its part of every block, rank 1 its part of all
+        # but the failed ones (the parts need not be halves: a stage's layers, a rank's heads).
+        loaded = tier.bytes_loaded - before.bytes_loaded
+        assert (hits - failed) * block_bytes < loaded < hits * block_bytes
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

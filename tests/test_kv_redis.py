@@ -70,6 +70,7 @@ def test_two_instances_share_blocks_exactly(llama, reference, prompts, redis_db)
     first = redis_llm(llama, redis_config(redis_db.url, ttl_s=600))
     assert tokens(run(first, prompts)) == expected
     connector_of(first).flush()
+    run(first, [[5, 6, 7]])   # a step that brings the workers' reports of the saves
     assert stats(first).hits == 0 and stats(first).bytes_saved > 0
     # Every value is checksummed and expires (ttl_s); nothing of another kind is stored.
     client = redis_db.client()
@@ -252,6 +253,7 @@ def test_saves_past_the_queue_are_dropped_and_counted(llama, prompts, redis_db):
     run(llm, prompts)
     release.set()
     worker.flush()
+    run(llm, [[5, 6, 7]])   # a step that brings the workers' reports of the saves
     s = stats(llm)
     assert s.dropped_saves > 0
     assert s.bytes_saved == worker.num_saved_blocks * llm.engine.core.scheduler.connector.block_bytes

@@ -157,6 +157,22 @@ def test_kv_of_other_weights_is_never_loaded(llama, reference, prompts, store, t
     assert outs[0].outputs[0].token_ids == reference(llama).greedy(prompts[0], MAX_TOKENS)
 
 
+def test_a_load_counts_its_bytes_once_it_is_done(llama, prompts, store):
+    """bytes_loaded, a Prometheus counter, counts what the workers loaded: nothing while an
+    asynchronous load is in flight (it counted every hit at admission), each hit once done."""
+    consumer = LLM(llama, block_size=BLOCK, kv_transfer_config=kv_config(
+        store, "kv_consumer", load_async=True, inject_load_delay_s=0.5))
+    engine = consumer.engine
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, greedy())
+    engine.step()   # admitted: its load starts
+    tier = consumer.get_stats().kv_tiers[0]
+    assert tier.hits > 0 and tier.bytes_loaded == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    tier = consumer.get_stats().kv_tiers[0]
+    assert tier.bytes_loaded == tier.hits * engine.core.scheduler.connector.block_bytes > 0
+
+
 def test_aborting_during_an_async_load_frees_everything(llama, reference, prompts, store):
     """A stream closed while its KV loads: the blocks stay held until the load is done, then
     everything is free, and the engine serves the next request exactly."""

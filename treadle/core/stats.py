@@ -40,7 +40,9 @@ class KVTierStats:
     hits: int = 0                  # blocks past the local prefix hit that it was asked to load
     misses: int = 0                # blocks past the local prefix hit that it did not have
     failed_loads: int = 0          # of the hits, blocks whose load failed
-    bytes_loaded: int = 0          # hits that loaded, in bytes
+    # Bytes whose load or save completed, as the workers report them (a step late, for a
+    # save on a saver thread): only ever growing.
+    bytes_loaded: int = 0
     bytes_saved: int = 0
     evictions: int = 0             # blocks dropped to stay within its budget
     dropped_saves: int = 0         # block saves (one rank's part each) dropped: store down or busy

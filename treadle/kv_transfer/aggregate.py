@@ -48,6 +48,9 @@ class KVOutputAggregator:
             for name, (blocks, nbytes) in kv.dropped_saves.items():
                 had = united.dropped_saves.get(name, (0, 0))
                 united.dropped_saves[name] = (had[0] + blocks, had[1] + nbytes)
+            for name, (saved, loaded) in kv.transferred.items():
+                had = united.transferred.get(name, (0, 0))
+                united.transferred[name] = (had[0] + saved, had[1] + loaded)
         result = outputs[output_rank]
         result.kv_connector_output = united
         return result

@@ -47,10 +47,13 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)   # blocks whose load failed
     # Per connector (its class name): (block saves dropped, their bytes) since the last report.
     dropped_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per connector: (bytes saved, bytes loaded) that completed since the last report, each
+    # rank's part of a block counted by that rank (the aggregator sums the ranks).
+    transferred: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.dropped_saves)
+                    or self.dropped_saves or self.transferred)
 
 
 class KVConnectorBase:
@@ -161,6 +164,10 @@ class KVConnectorBase:
 
     def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
         """Per connector: (block saves dropped, their bytes) since the last call."""
+        return {}
+
+    def get_transferred(self) -> dict[str, tuple[int, int]]:
+        """Per connector: (bytes saved, bytes loaded) that completed since the last call."""
         return {}
 
     def failed_load_requests(self) -> set[str]:

@@ -146,7 +146,8 @@ class BlockStoreConnector(KVConnectorBase):
         self.num_saved_blocks = 0
         self.num_failed_loads = 0
         self._dropped = (0, 0)   # saves dropped since last reported: (blocks, bytes)
-        self._dropped_lock = threading.Lock()   # saver threads add, the step takes
+        self._transferred = (0, 0)   # bytes saved and loaded since last reported
+        self._tally_lock = threading.Lock()   # saver and loader threads add, the step takes
 
     def _name_model_by_contents(self) -> None:
         """For a store other instances share: blocks name the model by what it computes with
@@ -258,7 +259,6 @@ class BlockStoreConnector(KVConnectorBase):
         self._finish_meta(meta)
         for save in meta.saves:
             self._tracked[save.req_id].saved.append(save.key)
-        self.stats.bytes_saved += len(meta.saves) * self.block_bytes
         return meta
 
     def _new_metadata(self) -> BlockStoreMetadata:
@@ -274,11 +274,14 @@ class BlockStoreConnector(KVConnectorBase):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """A failed load, from this store or another (MultiConnector): the keys that failed are
         forgotten, and so is what the request asked to save, as it saved nothing since it was
-        admitted (the workers held its saves back): it is not counted as saved. A block that
-        failed to load is its loader's alone until then, so it names that request."""
-        blocks, nbytes = output.dropped_saves.get(self.name, (0, 0))
-        self.stats.dropped_saves += blocks
-        self.stats.bytes_saved -= nbytes
+        admitted (the workers held its saves back). A block that failed to load is its
+        loader's alone until then, so it names that request."""
+        # Counted as the workers report what completed, so that each only grows (a
+        # Prometheus counter): a load in flight, or one that failed, has moved nothing yet.
+        saved, loaded = output.transferred.get(self.name, (0, 0))
+        self.stats.bytes_saved += saved
+        self.stats.bytes_loaded += loaded
+        self.stats.dropped_saves += output.dropped_saves.get(self.name, (0, 0))[0]
         invalid = output.invalid_block_ids
         if not invalid:
             return
@@ -287,7 +290,6 @@ class BlockStoreConnector(KVConnectorBase):
             self.stats.failed_loads += len(bad)
             self._forget(bad)
             if tracked.saved and not invalid.isdisjoint(tracked.block_ids):
-                self.stats.bytes_saved -= len(tracked.saved) * self.block_bytes
                 self._forget(tracked.saved)
                 tracked.saved = []
 
@@ -306,8 +308,7 @@ class BlockStoreConnector(KVConnectorBase):
         return [self._snapshot()]
 
     def _snapshot(self) -> KVTierStats:
-        loaded = (self.stats.hits - self.stats.failed_loads) * self.block_bytes
-        return dataclasses.replace(self.stats, connector=self.name, bytes_loaded=loaded)
+        return dataclasses.replace(self.stats, connector=self.name)
 
     # -- worker side ---------------------------------------------------------------------
     def bind_rank(self, rank: int, pp_rank: int, tp_rank: int) -> None:
@@ -327,12 +328,27 @@ class BlockStoreConnector(KVConnectorBase):
         for layer, cache in enumerate(self._kv_caches):
             cache[:, block_id].copy_(kv[layer])
 
+    def _part_bytes(self) -> int:
+        """Bytes of this rank's part of a block."""
+        cache = self._kv_caches[0]
+        return len(self._kv_caches) * cache[:, 0].numel() * cache.element_size()
+
     def _count_dropped(self, blocks: int, nbytes: int) -> None:
-        with self._dropped_lock:
+        with self._tally_lock:
             self._dropped = (self._dropped[0] + blocks, self._dropped[1] + nbytes)
 
+    def _count_transferred(self, saved: int = 0, loaded: int = 0) -> None:
+        """Bytes whose save or load completed (this rank's parts)."""
+        with self._tally_lock:
+            self._transferred = (self._transferred[0] + saved, self._transferred[1] + loaded)
+
+    def get_transferred(self) -> dict[str, tuple[int, int]]:
+        with self._tally_lock:
+            done, self._transferred = self._transferred, (0, 0)
+        return {self.name: done} if any(done) else {}
+
     def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
-        with self._dropped_lock:
+        with self._tally_lock:
             dropped, self._dropped = self._dropped, (0, 0)
         return {self.name: dropped} if dropped[0] else {}
 
@@ -360,6 +376,7 @@ class BlockStoreConnector(KVConnectorBase):
                     raise OSError("injected load failure")
                 self._read_block(load)
                 self.num_loaded_blocks += 1
+                self._count_transferred(loaded=self._part_bytes())
             except Exception as e:   # missing, damaged or injected: each is a load error
                 logger.warning("KV block %s failed to load into block %d: %s",
                                load.key[:12], load.block_id, e)

@@ -191,6 +191,9 @@ class MultiConnector(KVConnectorBase):
     def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
         return {k: v for c in self.connectors for k, v in c.get_dropped_saves().items()}
 
+    def get_transferred(self) -> dict[str, tuple[int, int]]:
+        return {k: v for c in self.connectors for k, v in c.get_transferred().items()}
+
     def failed_load_requests(self) -> set[str]:
         return set().union(*(c.failed_load_requests() for c in self.connectors))
 

@@ -203,15 +203,20 @@ class OffloadingConnector(BlockStoreConnector):
         """On the saver thread: copy the blocks out, tell the next step, then seal them."""
         store = self.store
         assert store is not None
+        stored: list[str] = []
         try:
-            stored = [key for key, layers in sources if store.put(key, layers)]
+            for key, layers in sources:
+                if store.put(key, layers):
+                    stored.append(key)
         finally:
+            # Counted before the next step, which waits for `copied`, reports the count.
+            self.num_saved_blocks += len(stored)
+            self._count_transferred(saved=len(stored) * self._part_bytes())
             copied.set()
         if len(stored) < len(sources):
             logger.warning("the host KV tier had no room for %d blocks", len(sources) - len(stored))
         for key in stored:
             store.seal(key)
-        self.num_saved_blocks += len(stored)
 
     def _wait_for_saves(self, sealed: bool) -> None:
         """Until earlier saves have copied their blocks out of the cache (and, if `sealed`,

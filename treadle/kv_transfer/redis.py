@@ -258,11 +258,6 @@ class RedisConnector(BlockStoreConnector):
                     self._warned_full = True
                 self._count_dropped(1, self._part_bytes())
 
-    def _part_bytes(self) -> int:
-        """Bytes of this rank's part of a block."""
-        cache = self._kv_caches[0]
-        return len(self._kv_caches) * cache[:, 0].numel() * cache.element_size()
-
     def _save_loop(self) -> None:
         """The saver thread: writes queued blocks in batches, one pipeline each."""
         while True:
@@ -275,6 +270,7 @@ class RedisConnector(BlockStoreConnector):
             try:
                 self._write(batch)
                 self.num_saved_blocks += len(batch)
+                self._count_transferred(saved=sum(kv.numel() * kv.element_size() for _, kv in batch))
             except (RedisUnavailable, redis.RedisError) as e:
                 # Down: the link warned once. Refused (a full server under `noeviction`):
                 # warned once here. Either way the blocks are counted as dropped.

@@ -67,6 +67,7 @@ class SharedStorageConnector(BlockStoreConnector):
             if save.req_id not in self._failed_reqs and not self._path(save.key).exists():
                 self._write_block(save)
                 self.num_saved_blocks += 1
+                self._count_transferred(saved=self._part_bytes())
 
     def _write_block(self, save: BlockTransfer) -> None:
         data = encode_block(self._block_out(save.block_id))

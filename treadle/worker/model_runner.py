@@ -260,7 +260,7 @@ class ModelRunner(WeightControls):
         connector.clear_connector_metadata()
         out.kv_connector_output = KVConnectorOutput(
             finished_sending, finished_recving, connector.get_block_ids_with_load_errors(),
-            connector.get_dropped_saves())
+            connector.get_dropped_saves(), connector.get_transferred())
         return out
 
     def finish_deferred(self, step: DeferredStep) -> ModelRunnerOutput:

@@ -130,12 +130,19 @@ def test_reports_of_ranks_are_united_across_steps():
     agg = KVOutputAggregator(2)
     first = step({"sync": (0, [3], 0)},
                  KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={3, 7}),
-                 KVConnectorOutput(dropped_saves={"RedisConnector": (1, 10)}))
+                 KVConnectorOutput(dropped_saves={"RedisConnector": 1},
+                                   transferred={"RedisConnector": (100, 40)}))
     assert first.finished_recving == set() and first.invalid_block_ids == {3, 7}
-    second = step({}, KVConnectorOutput(dropped_saves={"RedisConnector": (2, 20)}),
-                  KVConnectorOutput(finished_recving={"a"}, dropped_saves={"RedisConnector": (1, 10)}))
+    second = step({}, KVConnectorOutput(dropped_saves={"RedisConnector": 2},
+                                        transferred={"RedisConnector": (10, 4)}),
+                  KVConnectorOutput(finished_recving={"a"}, dropped_saves={"RedisConnector": 1},
+                                    transferred={"RedisConnector": (20, 0)}))
     assert second.finished_recving == {"a"} and second.invalid_block_ids == {7}
-    assert second.dropped_saves == {"RedisConnector": (3, 30)}
+    assert first.dropped_saves == {"RedisConnector": 1}
+    assert first.transferred == {"RedisConnector": (100, 40)}
+    # Each step's reports, every rank's summed.
+    assert second.dropped_saves == {"RedisConnector": 3}
+    assert second.transferred == {"RedisConnector": (30, 4)}
 
 
 # -- three tensor shards, and failures at 30% on one rank ------------------------------------------

@@ -123,6 +123,15 @@ def sync(device: str) -> None:
 
 
 # -- parts ------------------------------------------------------------------------------------
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy output for one prompt, exactly max_tokens long."""
+    x = torch.tensor([prompt], device=model.device)
+    out = model.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                         attention_mask=torch.ones_like(x))
+    return out[0, len(prompt):].tolist()
+
+
 def exactness(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     import transformers
 
@@ -131,15 +140,7 @@ def exactness(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(ns.device).eval()
     prompts = random_prompts(6, (20, 200), shape["vocab_size"], seed=1)
     max_tokens = 32
-
-    @torch.inference_mode()
-    def greedy(ids: list[int]) -> list[int]:
-        x = torch.tensor([ids], device=ns.device)
-        out = ref.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                           attention_mask=torch.ones_like(x))
-        return out[0, len(ids):].tolist()
-
-    want = [greedy(p) for p in prompts]
+    want = [hf_greedy(ref, p, max_tokens) for p in prompts]
     variants = {
         "plain": {"async_scheduling": False},   # CUDA's default is async: the next mode
         "chunked prefill": {"max_num_batched_tokens": 64},
@@ -181,11 +182,7 @@ def bf16_agreement(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
             engine[dtype] = [list(o.outputs[0].token_ids) for o in outs]
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, dtype)).to(ns.device).eval()
-        with torch.inference_mode():
-            ref[dtype] = [model.generate(x, max_new_tokens=tokens, min_new_tokens=tokens,
-                                         do_sample=False, attention_mask=torch.ones_like(x)
-                                         )[0, x.shape[1]:].tolist()
-                          for x in (torch.tensor([p], device=ns.device) for p in prompts)]
+        ref[dtype] = [hf_greedy(model, p, tokens) for p in prompts]
         del model
 
     def leading(runs: dict[str, list[list[int]]]) -> list[int]:

@@ -45,9 +45,8 @@ class KVOutputAggregator:
             for rid in kv.finished_sending:
                 if self._count(self._sending, rid):
                     united.finished_sending.add(rid)
-            for name, (blocks, nbytes) in kv.dropped_saves.items():
-                had = united.dropped_saves.get(name, (0, 0))
-                united.dropped_saves[name] = (had[0] + blocks, had[1] + nbytes)
+            for name, blocks in kv.dropped_saves.items():
+                united.dropped_saves[name] = united.dropped_saves.get(name, 0) + blocks
             for name, (saved, loaded) in kv.transferred.items():
                 had = united.transferred.get(name, (0, 0))
                 united.transferred[name] = (had[0] + saved, had[1] + loaded)

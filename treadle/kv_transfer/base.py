@@ -45,8 +45,8 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)    # requests whose saves are done
     finished_recving: set[str] = field(default_factory=set)    # requests whose loads are done
     invalid_block_ids: set[int] = field(default_factory=set)   # blocks whose load failed
-    # Per connector (its class name): (block saves dropped, their bytes) since the last report.
-    dropped_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per connector (its class name): block saves dropped since the last report.
+    dropped_saves: dict[str, int] = field(default_factory=dict)
     # Per connector: (bytes saved, bytes loaded) that completed since the last report, each
     # rank's part of a block counted by that rank (the aggregator sums the ranks).
     transferred: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -162,8 +162,8 @@ class KVConnectorBase:
         """Blocks whose load failed since the last call."""
         return set()
 
-    def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
-        """Per connector: (block saves dropped, their bytes) since the last call."""
+    def get_dropped_saves(self) -> dict[str, int]:
+        """Per connector: block saves dropped since the last call."""
         return {}
 
     def get_transferred(self) -> dict[str, tuple[int, int]]:

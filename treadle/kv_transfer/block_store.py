@@ -145,7 +145,7 @@ class BlockStoreConnector(KVConnectorBase):
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
         self.num_failed_loads = 0
-        self._dropped = (0, 0)   # saves dropped since last reported: (blocks, bytes)
+        self._dropped = 0   # block saves dropped since last reported
         self._transferred = (0, 0)   # bytes saved and loaded since last reported
         self._tally_lock = threading.Lock()   # saver and loader threads add, the step takes
 
@@ -281,7 +281,7 @@ class BlockStoreConnector(KVConnectorBase):
         saved, loaded = output.transferred.get(self.name, (0, 0))
         self.stats.bytes_saved += saved
         self.stats.bytes_loaded += loaded
-        self.stats.dropped_saves += output.dropped_saves.get(self.name, (0, 0))[0]
+        self.stats.dropped_saves += output.dropped_saves.get(self.name, 0)
         invalid = output.invalid_block_ids
         if not invalid:
             return
@@ -333,9 +333,9 @@ class BlockStoreConnector(KVConnectorBase):
         cache = self._kv_caches[0]
         return len(self._kv_caches) * cache[:, 0].numel() * cache.element_size()
 
-    def _count_dropped(self, blocks: int, nbytes: int) -> None:
+    def _count_dropped(self, blocks: int) -> None:
         with self._tally_lock:
-            self._dropped = (self._dropped[0] + blocks, self._dropped[1] + nbytes)
+            self._dropped += blocks
 
     def _count_transferred(self, saved: int = 0, loaded: int = 0) -> None:
         """Bytes whose save or load completed (this rank's parts)."""
@@ -347,10 +347,10 @@ class BlockStoreConnector(KVConnectorBase):
             done, self._transferred = self._transferred, (0, 0)
         return {self.name: done} if any(done) else {}
 
-    def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
+    def get_dropped_saves(self) -> dict[str, int]:
         with self._tally_lock:
-            dropped, self._dropped = self._dropped, (0, 0)
-        return {self.name: dropped} if dropped[0] else {}
+            dropped, self._dropped = self._dropped, 0
+        return {self.name: dropped} if dropped else {}
 
     def start_load_kv(self) -> None:
         meta = self._metadata

@@ -188,7 +188,7 @@ class MultiConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set().union(*(c.get_block_ids_with_load_errors() for c in self.connectors))
 
-    def get_dropped_saves(self) -> dict[str, tuple[int, int]]:
+    def get_dropped_saves(self) -> dict[str, int]:
         return {k: v for c in self.connectors for k, v in c.get_dropped_saves().items()}
 
     def get_transferred(self) -> dict[str, tuple[int, int]]:

@@ -240,7 +240,7 @@ class RedisConnector(BlockStoreConnector):
         if not saves:
             return
         if self.link.is_down:   # no copy of what would be dropped anyway
-            self._count_dropped(len(saves), len(saves) * self._part_bytes())
+            self._count_dropped(len(saves))
             return
         if self._saver is None:
             self._saver = threading.Thread(target=self._save_loop, name="treadle-kv-redis-save",
@@ -256,7 +256,7 @@ class RedisConnector(BlockStoreConnector):
                                    "dropping saves past %d pending (counted in dropped_saves)",
                                    self.link.where, self.options.max_pending_saves)
                     self._warned_full = True
-                self._count_dropped(1, self._part_bytes())
+                self._count_dropped(1)
 
     def _save_loop(self) -> None:
         """The saver thread: writes queued blocks in batches, one pipeline each."""
@@ -270,7 +270,7 @@ class RedisConnector(BlockStoreConnector):
             try:
                 self._write(batch)
                 self.num_saved_blocks += len(batch)
-                self._count_transferred(saved=sum(kv.numel() * kv.element_size() for _, kv in batch))
+                self._count_transferred(saved=len(batch) * self._part_bytes())
             except (RedisUnavailable, redis.RedisError) as e:
                 # Down: the link warned once. Refused (a full server under `noeviction`):
                 # warned once here. Either way the blocks are counted as dropped.
@@ -278,8 +278,7 @@ class RedisConnector(BlockStoreConnector):
                     logger.warning("Redis at %s refused KV saves: %s (counted in dropped_saves)",
                                    self.link.where, e)
                     self._warned_refused = True
-                self._count_dropped(len(batch), sum(kv.numel() * kv.element_size()
-                                                    for _, kv in batch))
+                self._count_dropped(len(batch))
             finally:
                 for _ in batch:
                     self._pending.task_done()

@@ -16,7 +16,8 @@ split count for that size: each sequence takes its ranges from its own length on
 (attention/triton_decode.py), so one graph serves every length, and the host only picks which
 graph to replay. The count is the padded size's, so a step of n decodes between two captured
 sizes (5-7, 9-15, 17-21) may cut its sequences into fewer ranges than an eager step of n
-would: the same attention, summed in another order. (A change to the backend's split settings takes a recapture.)
+would: the same attention, summed in another order. (A change to the backend's split settings
+takes a recapture.)
 Mixed steps (prefill chunks, drafts) replay graphs of their own, captured first into the same
 pool (worker/mixed_graphs.py). Sampling stays outside the graph. Anything that moves the
 captured tensors (the KV cache freed by sleep, weights moved to the host and back, parameters

@@ -358,3 +358,24 @@ def test_two_tiers_of_one_class_count_and_show_apart(llama, prompts, redis_db):
     hits = [m for m in _kv_tier_metrics(llm.get_stats()) if m.name == "treadle:kv_tier_hits"]
     assert [s.labels["connector"] for s in hits[0].samples if s.name.endswith("_total")] == \
         ["RedisConnector", "RedisConnector#2"]
+
+
+def test_a_waiting_request_renews_the_head_it_hits_here_once(llama, redis_db):
+    """A request waiting for room is looked up again every step. The head this instance's
+    prefix cache serves it is renewed at the first of those lookups, and again only if that
+    hit grows, not once a step: for a long system prompt that is thousands of PEXPIREs a step."""
+    a = list(range(100, 228))              # 8 blocks
+    b = a[:48] + list(range(300, 348))     # a's first 3 blocks, then 3 of its own
+    llm = redis_llm(llama, redis_config(redis_db.url, ttl_s=600), num_kv_blocks=11)
+    client = redis_db.client()
+    client.config_resetstat()
+    lookups = []
+    scheduler_side = llm.engine.core.scheduler.connector
+    lookup = scheduler_side._lookup
+    scheduler_side._lookup = lambda *args: lookups.append(args[1:]) or lookup(*args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in (a, b)], greedy(24), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24, 24]
+    waiting = [kept for first, _, kept in lookups if first == 3]
+    assert len(waiting) > 5 and waiting[0] and not any(waiting[1:])   # b waited a while
+    pexpires = client.info("commandstats").get("cmdstat_pexpire", {}).get("calls", 0)
+    assert pexpires == 3

@@ -257,10 +257,12 @@ def test_continuous_usage_stats_count_every_chunk(client):
                                            stream_options={}))
     assert not empty[-1].choices and empty[-1].usage.completion_tokens == 2
     assert all(c.usage is None for c in empty[:-1])
-    off = list(client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
-                                         stream_options={"continuous_usage_stats": True,
-                                                         "include_usage": False}))
-    assert all(c.usage is None and c.choices for c in off)
+    # An explicit false, or null (vLLM reads bool(include_usage)), streams no usage at all.
+    for value in (False, None):
+        off = list(client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                                             stream_options={"continuous_usage_stats": True,
+                                                             "include_usage": value}))
+        assert all(c.usage is None and c.choices for c in off), value
 
 
 def test_continuous_usage_stats_count_each_choice_apart(client):

@@ -129,6 +129,10 @@ class BlockStoreConnector(KVConnectorBase):
         self.load_async = bool(self.extra.get("load_async", False))
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
+        # A waiting request's head already kept (_keep_head): its local hit in blocks, when it
+        # was kept. The lookup repeats every step while a request waits for room; its head is
+        # kept again only if the hit grew. Dropped on admission and on finishing.
+        self._head_kept: dict[str, int] = {}
         self._loads: list[BlockTransfer] = []
         self._async_loads: dict[str, list[BlockTransfer]] = {}
         self.stats = KVTierStats(connector=self.name)
@@ -192,16 +196,21 @@ class BlockStoreConnector(KVConnectorBase):
         # Whole blocks after the local hit, leaving the last token to compute (its logits).
         first = num_computed_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size
-        num_blocks = self._lookup(request.block_hashes, first, last)
+        keep_head = first > self._head_kept.get(request.request_id, 0)
+        if keep_head:
+            self._head_kept[request.request_id] = first
+        num_blocks = self._lookup(request.block_hashes, first, last, keep_head)
         return num_blocks * self.block_size, self.load_async and num_blocks > 0
 
-    def _lookup(self, block_hashes: list, first: int, last: int) -> int:
+    def _lookup(self, block_hashes: list, first: int, last: int, keep_head: bool) -> int:
         """How many of blocks first..last-1 the store holds, from the first; the prefix cache
-        here served the blocks before `first`."""
+        here served the blocks before `first` (the head). With `keep_head`, a store that ages
+        blocks also counts the head as used (subclasses)."""
         return self._num_stored([self.block_key(h) for h in block_hashes[first:last]])
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
+        self._head_kept.pop(request.request_id, None)
         first = request.num_computed_tokens // self.block_size
         num_external = num_external_tokens // self.block_size
         loads = [BlockTransfer(request.request_id, block_ids[i],
@@ -296,6 +305,7 @@ class BlockStoreConnector(KVConnectorBase):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Saves finish within their step (or on the workers' own time): nothing to wait for."""
+        self._head_kept.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
         if not self.is_producer or tracked is None:
             return False, None

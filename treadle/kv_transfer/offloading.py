@@ -96,13 +96,14 @@ class OffloadingConnector(BlockStoreConnector):
     def _contains(self, key: str) -> bool:
         return key in self.index
 
-    def _lookup(self, block_hashes: list, first: int, last: int) -> int:
+    def _lookup(self, block_hashes: list, first: int, last: int, keep_head: bool) -> int:
         # The blocks the device's prefix cache serves are in use too, though never read from
         # here: touched (a chain's head last, as the most recent), so that the tier does not
         # evict a hot prefix first and lose it by the time the device's cache lets it go.
-        for h in reversed(block_hashes[:first]):
-            self.index.touch(self.block_key(h))
-        return super()._lookup(block_hashes, first, last)
+        if keep_head:
+            for h in reversed(block_hashes[:first]):
+                self.index.touch(self.block_key(h))
+        return super()._lookup(block_hashes, first, last, keep_head)
 
     def _wants(self, key: str) -> bool:
         if key in self.index:

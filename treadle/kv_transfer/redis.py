@@ -175,9 +175,9 @@ class RedisConnector(BlockStoreConnector):
     def _contains(self, key: str) -> bool:
         return self._num_stored([key]) == 1
 
-    def _lookup(self, block_hashes: list, first: int, last: int) -> int:
-        if self._ttl_ms is None:
-            return super()._lookup(block_hashes, first, last)
+    def _lookup(self, block_hashes: list, first: int, last: int, keep_head: bool) -> int:
+        if self._ttl_ms is None or not keep_head:
+            return super()._lookup(block_hashes, first, last, keep_head)
         # The blocks this instance's own prefix cache serves are never loaded from Redis, so
         # no GETEX renews them: without a renewal here, the prefixes it uses most (a system
         # prompt) would expire for every other instance while they are hot here.

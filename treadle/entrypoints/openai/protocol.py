@@ -119,15 +119,16 @@ def unexpected_field(model: BaseModel, path: str = "") -> tuple[str, str] | None
 
 
 class StreamOptions(OpenAIModel):
-    # Unset: true, as vLLM's (stream_options given at all asks for the usage chunk).
-    include_usage: bool | None = None
+    # As vLLM's: unset means true (stream_options given at all asks for the usage chunk), an
+    # explicit null means false.
+    include_usage: bool | None = True
     include_obfuscation: bool | None = None   # OpenAI's; there is nothing to obfuscate locally
     # vLLM's: every chunk carries the usage so far too.
     continuous_usage_stats: bool | None = None
 
     @property
     def usage_at_the_end(self) -> bool:
-        return self.include_usage is not False
+        return bool(self.include_usage)
 
     @property
     def usage_in_every_chunk(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 from tests.kernel_support import CPU
 from tests.family_support import MAX_TOKENS, PretrainedReference as Reference, greedy_ids, tight_for
 from tests.family_support import random_prompts
-from tests.tiny_models import GEMMA_ARCHS, tiny_checkpoint_dir
+from tests.tiny_models import GEMMA_ARCHS, make_tiny_checkpoint, tiny_checkpoint_dir
 from treadle import LLM, SamplingParams
 from treadle.attention.cpu_backend import CpuKernelBackend
 from treadle.models.registry import get_model_class
@@ -104,6 +104,25 @@ def test_gemma3_local_layers_take_their_own_rope_base(tmp_path_factory):
                 assert torch.allclose(ours.cos[position], cos[0, 0], atol=1e-6)
                 assert torch.allclose(ours.sin[position], sin[0, 0], atol=1e-6)
         assert not torch.allclose(rotary.rotary.cos[500], rotary.local.cos[500])
+
+
+def test_gemma3_soft_caps_no_attention_scores_as_transformers(tmp_path_factory):
+    """Gemma3TextConfig has attn_logit_softcapping, but transformers' Gemma 3 attention never
+    applies it; treadle capped the scores of such a config and parted at the first token."""
+    path = make_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("tiny-gemma3-softcap"),
+                                tie_word_embeddings=False, attn_logit_softcapping=5.0)
+    ref = Reference(path)
+    batch = prompts(3)
+    want = [ref.greedy(p, 16) for p in batch]
+    # transformers' output does not depend on the field at all.
+    ref.model.config.attn_logit_softcapping = None
+    for layer in ref.model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert [ref.greedy(p, 16) for p in batch] == want
+    with LLM(path, dtype="float32", device="cpu", block_size=16, num_kv_blocks=48) as llm:
+        assert greedy_ids(llm, batch, 16) == want
+        model = llm.engine.core.executor.worker.runner.model
+        assert all(layer.self_attn.attn.logit_softcap is None for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("pp, tp", [(1, 2), (2, 1)])

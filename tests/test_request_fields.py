@@ -406,6 +406,8 @@ def test_echo_continues_the_final_message(client):
      "does not read `enable_thinkng`"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs",
      "may not set `tokenize`"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
+     "may not set `messages`"),
     ({"chat_template_kwargs": "yes"}, "chat_template_kwargs", "chat_template_kwargs"),
 ])
 def test_bad_template_options_are_400s(client, body, param, message):

@@ -134,14 +134,15 @@ def chunked(server: Server, data: bytes) -> tuple[int, dict]:
 
 
 def test_past_the_context_is_a_400_with_the_numbers(server, client):
-    def refused(create, prompt_tokens: int, max_tokens: int) -> None:
+    def refused(create, prompt_tokens: int, max_tokens: int, field: str = "max_tokens") -> None:
         with pytest.raises(openai.BadRequestError) as e:
             create(max_tokens)
         text = e.value.body["message"]
+        assert e.value.body["param"] == field, e.value.body
         assert (f"maximum context length is {CONTEXT} tokens. However, you requested "
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
                 f"{max_tokens} in the completion)") in text, text
-        assert f"max_tokens must be in [1, {CONTEXT - prompt_tokens}]" in text, text
+        assert f"{field} must be in [1, {CONTEXT - prompt_tokens}]" in text, text
 
     ids = list(range(1000, 1200))
 
@@ -159,7 +160,8 @@ def test_past_the_context_is_a_400_with_the_numbers(server, client):
     messages = [{"role": "user", "content": "Hello"}]
     prompt_tokens = chat(max_tokens=1).usage.prompt_tokens
     refused(lambda m: chat(max_tokens=m), prompt_tokens, 10**12)
-    refused(lambda m: chat(max_completion_tokens=m), prompt_tokens, 1000)
+    # The field the client sent, by its name.
+    refused(lambda m: chat(max_completion_tokens=m), prompt_tokens, 1000, "max_completion_tokens")
     # Past int64, or as a float: a 400 all the same, never a 500.
     for raw in (b'{"prompt": "x", "max_tokens": 9223372036854775808}',
                 b'{"prompt": "x", "max_tokens": 1e12}'):

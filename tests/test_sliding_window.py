@@ -129,3 +129,15 @@ def test_mistral_with_a_short_window_matches_transformers(mistral, backend):
         assert llm.get_stats().num_preemptions > 0
         assert generate(llm, batch[2:]) == want[2:]
         assert llm.get_stats().prefix_cache_hits > 0
+
+
+def test_an_explicit_max_model_len_past_the_blocks_is_taken_when_every_layer_is_windowed(mistral):
+    """A request of a model whose every layer is windowed holds only its window's blocks, so
+    any length fits: an explicit max_model_len past the blocks was refused before the model
+    loaded, though the engine serves it (and did, with max_model_len unset)."""
+    prompt = prompts(1)[0]
+    new = 140 - len(prompt)   # past the 8 blocks' 128 tokens
+    with LLM(mistral, dtype="float32", max_model_len=512,
+             **{**TIGHT, "num_kv_blocks": 9, "max_num_seqs": 1}) as llm:
+        assert llm.engine.core.config.model.max_model_len == 512
+        assert greedy_ids(llm, [prompt], new) == [Reference(mistral).greedy(prompt, new)]

@@ -438,9 +438,11 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.num_kv_blocks is not None and self.max_model_len is not None:
+        if (self.num_kv_blocks is not None and self.max_model_len is not None
+                and None in layer_windows(hf_config)):
             # Known before the weights load, so refused before: the engine checks it again
-            # for a cache sized from a budget.
+            # for a cache sized from a budget. (With every layer windowed, a request holds
+            # only its window's blocks: any length fits.)
             capacity = (self.num_kv_blocks - 1) * block_size   # (a hybrid model's is less)
             if max_model_len > capacity:
                 raise ValueError(

@@ -32,3 +32,29 @@ def json_dict(name: str, spec: dict[str, Any] | str, known: Collection[str] | No
     if unknown:
         raise ValueError(f"{name} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
     return spec
+
+
+# Objects and lists within objects and lists, at most: pydantic-core serializes about 255
+# levels, and chat templates and json recurse a few frames a level toward Python's limit.
+MAX_NESTING = 128
+
+
+def too_deep(value: Any, limit: int = MAX_NESTING) -> str | None:
+    """The top-level key (or index) under which decoded JSON nests more than `limit` objects
+    and lists deep, or None. Iterative, so that no depth reaches Python's recursion limit; a
+    list holding no container (token ids) is passed over in one C call."""
+    if not isinstance(value, (dict, list)):
+        return None
+    stack = [(item, key, 1) for key, item in (value.items() if isinstance(value, dict)
+                                              else enumerate(value))
+             if isinstance(item, (dict, list))]
+    while stack:
+        item, top, depth = stack.pop()
+        if depth > limit:
+            return str(top)
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, list) and not {dict, list} & set(map(type, item)):
+            continue
+        stack.extend((child, top, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return None

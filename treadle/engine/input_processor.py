@@ -131,6 +131,10 @@ class InputProcessor:
         if reasoning is not None and not isinstance(reasoning, bool):
             raise ValueError(f"extra_args['reasoning'] must be true or false (whether the output "
                              f"starts inside the reasoning), got {reasoning!r}")
+        kv_params = (params.extra_args or {}).get("kv_transfer_params")
+        if kv_params is not None and not isinstance(kv_params, dict):
+            raise ValueError(f"kv_transfer_params must be an object (what a KV connector handed "
+                             f"back), got {type(kv_params).__name__}")
         if params.structured_outputs is not None:   # the engine's message, before the engine
             backend_class(self.config.structured_outputs.backend).validate(params.structured_outputs)
         max_len = self.config.model.max_model_len

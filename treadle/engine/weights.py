@@ -25,6 +25,8 @@ from typing import Any, Iterable
 
 import torch
 
+from treadle.validate import MAX_NESTING, too_deep
+
 CHECKPOINT_IDENTITY = "checkpoint"
 
 
@@ -32,6 +34,8 @@ def check_label(label: Any, field: str = "weight_version") -> None:
     """A weight_version goes out with every output, in the server's JSON: refuse one whose
     text cannot be (half a surrogate pair in a string, NaN) before any weight changes. Other
     objects (a numpy integer, a date) stay fine offline, as their text."""
+    if too_deep([label]) is not None:   # the server's responses serialize ~255 levels
+        raise ValueError(f"{field} nests objects and lists more than {MAX_NESTING} deep")
     try:
         json.dumps(label, ensure_ascii=False, allow_nan=False, default=str).encode("utf-8")
     except (TypeError, ValueError) as e:   # UnicodeEncodeError is a ValueError

@@ -8,7 +8,8 @@ What differs from Llama, each as transformers computes it:
   - the attention scale is query_pre_attn_scalar ** -0.5;
   - local (sliding-window) and global layers interleave as `layer_types` says;
   - Gemma 2 soft-caps attention scores and the final logits;
-  - Gemma 3 has q/k norms, and its local layers take RoPE of their own base.
+  - Gemma 3 has q/k norms, and its local layers take RoPE of their own base; it soft-caps
+    no attention scores, even where its config sets attn_logit_softcapping.
 These layers are not Llama's, so the CPU layer stack never serves them (`stackable`).
 """
 
@@ -65,9 +66,11 @@ class GemmaAttention(Attention):
         if qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        # Gemma 3 (the one with q/k norms) never soft-caps its scores in transformers, whatever
+        # its config's attn_logit_softcapping says (published checkpoints leave it null).
+        softcap = None if qk_norm else getattr(config, "attn_logit_softcapping", None)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   config.query_pre_attn_scalar ** -0.5, window,
-                                   getattr(config, "attn_logit_softcapping", None))
+                                   config.query_pre_attn_scalar ** -0.5, window, softcap)
 
 
 class GemmaDecoderLayer(nn.Module):

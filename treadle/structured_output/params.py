@@ -6,8 +6,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from treadle.validate import MAX_NESTING, too_deep
+
 # The kinds of constraint, in the order a message lists them; a request sets exactly one.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_TOO_DEEP = f"structured_outputs.json nests objects and lists more than {MAX_NESTING} deep"
 
 
 @dataclass
@@ -39,6 +42,12 @@ class StructuredOutputsParams:
                     self.json = json.loads(self.json)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                except RecursionError:   # deeper than Python's limit
+                    raise ValueError(_TOO_DEEP) from None
+            # As deep as a request's body may nest (protocol.RequestBody): a compile also grows
+            # fast with depth (xgrammar's: 3 s at 300 levels).
+            if too_deep([self.json]) is not None:
+                raise ValueError(_TOO_DEEP)
             if not isinstance(self.json, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), "
                                  f"got {type(self.json).__name__}")

@@ -7,6 +7,7 @@ request on a stop id and drops its text)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -33,6 +34,21 @@ def _source(params: StructuredOutputsParams) -> tuple[str, str]:
     return "ebnf", choice_grammar(params.choice) if params.kind == "choice" else params.grammar
 
 
+@functools.lru_cache(maxsize=256)
+def _validate(kind: str, language: str, text: str, any_whitespace: bool) -> None:
+    """Parse the grammar, once per text: a request validates it once per prompt, and again as
+    the engine takes it (a deep JSON schema parses in seconds; an error is not cached)."""
+    try:
+        if language == "json":
+            xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
+        elif language == "regex":
+            xgr.Grammar.from_regex(text)
+        else:
+            xgr.Grammar.from_ebnf(text)
+    except RuntimeError as e:
+        raise GrammarError(f"invalid structured_outputs.{kind}: {engine_message(e)}") from None
+
+
 class XgrammarBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
         super().__init__(tokenizer, vocab_size, eos_token_id)
@@ -44,16 +60,7 @@ class XgrammarBackend(GrammarBackend):
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
-        language, text = _source(params)
-        try:
-            if language == "json":
-                xgr.Grammar.from_json_schema(text, any_whitespace=not params.disable_any_whitespace)
-            elif language == "regex":
-                xgr.Grammar.from_regex(text)
-            else:
-                xgr.Grammar.from_ebnf(text)
-        except RuntimeError as e:
-            raise GrammarError(f"invalid structured_outputs.{params.kind}: {engine_message(e)}") from None
+        _validate(params.kind, *_source(params), not params.disable_any_whitespace)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         # The compiler's text-keyed entry points, so that a repeat is a cache hit.

@@ -18,6 +18,8 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from treadle.validate import MAX_NESTING, too_deep
+
 # Integers go into int64 tensors in the engine; a larger one must be a 400, not a dead engine.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # n > 1 makes n engine requests at once; bound it so one request cannot flood the scheduler.
@@ -49,14 +51,18 @@ _TEXT_OR_CONTAINER = (str, dict, list)
 
 
 class RequestBody(OpenAIModel):
-    """A request's root model. Its whole decoded JSON is checked once for valid Unicode: JSON
-    lets a string hold half a surrogate pair ("\\ud800"), which no tokenizer takes and no
-    response can carry back (a field echoed in every response would fail all of them). The
-    models inside are validated from the same, already checked, data."""
+    """A request's root model. Its whole decoded JSON is checked once, for nesting and for
+    valid Unicode: JSON lets a string hold half a surrogate pair ("\\ud800"), which no
+    tokenizer takes and no response can carry back (a field echoed in every response would
+    fail all of them). The models inside are validated from the same, already checked, data."""
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
+        # First, so that the walks after it (the one below, pydantic's, a chat template's)
+        # recurse within bounds, and every response that echoes a field can be serialized.
+        if (top := too_deep(data)) is not None:
+            raise ValueError(f"`{top}` nests objects and lists more than {MAX_NESTING} deep")
         if (where := lone_surrogate_at(data)) is not None:
             # The path may hold the surrogate (a key): escaped, or the message cannot be sent.
             where = where.encode("utf-8", "backslashreplace").decode()

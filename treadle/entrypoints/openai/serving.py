@@ -29,6 +29,7 @@ from treadle.entrypoints.openai.streams import (ClientDisconnected, PromptStream
                                                 until_disconnected)
 from treadle.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import RequestOutputKind, SamplingParams
+from treadle.validate import MAX_NESTING, too_deep
 
 logger = logging.getLogger(__name__)
 
@@ -151,14 +152,17 @@ class OpenAIServing:
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation through the chat template; `template_kwargs` (continue_final_message,
         documents, the client's chat_template_kwargs) go to it as vLLM passes them."""
-        conversation = [_message_dict(m) for m in messages]
         kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
         try:
+            conversation = [_message_dict(m) for m in messages]
             return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                       **kwargs)
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise OpenAIError(400, f"the chat template failed on these messages: {e}",
                               "messages") from None
+        except RecursionError:   # a tool call's arguments, as JSON text, nested past its walk
+            raise OpenAIError(400, "the chat template failed on these messages: a tool call's "
+                                   "arguments or the tools nest too deep", "messages") from None
 
     def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None,
@@ -207,14 +211,26 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(400, str(e), _field_named(str(e), req)) from None
 
-    def validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
-        """The prompt and max_tokens within max_model_len, logprobs in range, token ids in the
-        vocabulary (checked last: a prompt far too long is refused without a pass over it)."""
+    async def validate(self, params: SamplingParams, prompts: list[list[int]],
+                       max_tokens_field: str = "max_tokens") -> None:
+        """Each prompt and max_tokens within max_model_len, logprobs in range, a grammar the
+        backend takes, token ids in the vocabulary (checked last: a prompt far too long is
+        refused without a pass over it). On a tokenizer thread: a deep JSON schema takes
+        seconds to parse. `max_tokens_field`: what the client called max_tokens."""
+        await self.off_loop(self._validate, params, prompts, max_tokens_field)
+
+    def _validate(self, params: SamplingParams, prompts: list[list[int]],
+                  max_tokens_field: str) -> None:
         try:
-            self.engine.input_processor.validate_params(params, len(prompt_ids))
-            self.engine.input_processor.tokenize(prompt_ids)
+            for prompt_ids in prompts:
+                self.engine.input_processor.validate_params(params, len(prompt_ids))
+                self.engine.input_processor.tokenize(prompt_ids)
         except ValueError as e:
-            raise OpenAIError(400, str(e), _field_named(str(e), params)) from None
+            message, param = str(e), _field_named(str(e), params)
+            if "max_tokens must be in" in message:   # past the context (vLLM's wording first)
+                message = message.replace("max_tokens must", f"{max_tokens_field} must")
+                param = max_tokens_field
+            raise OpenAIError(400, message, param) from None
 
     # -- running -------------------------------------------------------------------------------
     async def run(self, raw: Request, request_id: str, prompts: list[dict[str, Any]],
@@ -401,9 +417,13 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
 
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        arguments = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
         return text
+    if too_deep([arguments]) is not None:
+        raise OpenAIError(400, f"a tool call's arguments nest objects and lists more than "
+                               f"{MAX_NESTING} deep", "messages")
+    return arguments
 
 
 async def _sse(request_id: str, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -72,7 +72,8 @@ class ChatServing:
             max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             **overrides)
         prompt, ids = serving.engine.input_processor.truncate(text, ids, params)
-        serving.validate(params, ids)
+        await serving.validate(params, [ids], "max_completion_tokens"
+                               if req.max_completion_tokens is not None else "max_tokens")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = None
         if self.reasoning_parser is not None:
@@ -166,10 +167,10 @@ def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest, variables: fr
     for key, value in given.items():
         from_request = key == "documents" and req.documents is not None
         param = "documents" if from_request else "chat_template_kwargs"
-        if key in CHAT_RENDER_ARGUMENTS:
+        if key in CHAT_RENDER_ARGUMENTS or key == "messages":
             raise OpenAIError(400, f"chat_template_kwargs may not set `{key}`: it is how the "
-                                   f"server renders the template, not a template variable",
-                              param)
+                                   f"server renders the template (the request's messages, "
+                                   f"its options), not a template variable", param)
         if key not in kwargs and variables is not None and key not in variables:
             raise OpenAIError(400, f"{param}: this model's chat template does not read "
                                    f"`{key}`", param)

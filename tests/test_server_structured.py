@@ -130,6 +130,30 @@ def test_bad_constraints_are_400s(server, body, message):
         assert message in reply["error"]["message"], reply
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "guided_json": {"type": "objectx"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "Hi", "guided_regex": "a(b"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "Hi", "guided_json": "{"}, "guided_json"),
+    ("/v1/chat/completions", {"messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": ASK, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]},
+     "tools"),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json": {"type": "objectx"}}},
+     "structured_outputs"),
+])
+def test_a_bad_constraint_is_named_by_the_field_that_carried_it(server, path, body, param):
+    """Not by structured_outputs, where the client sent a guided_* field, response_format or
+    tools: each becomes a structured_outputs constraint inside."""
+    status, reply = server.request("POST", path, {"model": MODEL, "max_tokens": 2, **body})
+    assert_error(status, reply, 400)
+    assert reply["error"]["param"] == param, reply
+    assert param in reply["error"]["message"], reply
+    if param != "structured_outputs":
+        assert "structured_outputs" not in reply["error"]["message"], reply
+
+
 def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(client):
     resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=7, temperature=0,
                                      extra_body={"structured_outputs": {"regex": "(ab)+c{20}"}})

@@ -209,28 +209,31 @@ class OpenAIServing:
         try:
             return SamplingParams(output_kind=output_kind, **kwargs)
         except ValueError as e:
-            raise OpenAIError(400, str(e), _field_named(str(e), req)) from None
+            message, param = _constraint_named(str(e), req, "structured_outputs" in overrides)
+            raise OpenAIError(400, message, param or _field_named(message, req)) from None
 
     async def validate(self, params: SamplingParams, prompts: list[list[int]],
-                       max_tokens_field: str = "max_tokens") -> None:
+                       req: SamplingFields, tools_constrain: bool = False) -> None:
         """Each prompt and max_tokens within max_model_len, logprobs in range, a grammar the
         backend takes, token ids in the vocabulary (checked last: a prompt far too long is
         refused without a pass over it). On a tokenizer thread: a deep JSON schema takes
-        seconds to parse. `max_tokens_field`: what the client called max_tokens."""
-        await self.off_loop(self._validate, params, prompts, max_tokens_field)
+        seconds to parse. An error names the fields `req` sent (`tools_constrain`: the
+        grammar is a forced tool call's)."""
+        await self.off_loop(self._validate, params, prompts, req, tools_constrain)
 
-    def _validate(self, params: SamplingParams, prompts: list[list[int]],
-                  max_tokens_field: str) -> None:
+    def _validate(self, params: SamplingParams, prompts: list[list[int]], req: SamplingFields,
+                  tools_constrain: bool) -> None:
         try:
             for prompt_ids in prompts:
                 self.engine.input_processor.validate_params(params, len(prompt_ids))
                 self.engine.input_processor.tokenize(prompt_ids)
         except ValueError as e:
-            message, param = str(e), _field_named(str(e), params)
+            message, param = _constraint_named(str(e), req, tools_constrain)
             if "max_tokens must be in" in message:   # past the context (vLLM's wording first)
-                message = message.replace("max_tokens must", f"{max_tokens_field} must")
-                param = max_tokens_field
-            raise OpenAIError(400, message, param) from None
+                field = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
+                         is not None else "max_tokens")
+                message, param = message.replace("max_tokens must", f"{field} must"), field
+            raise OpenAIError(400, message, param or _field_named(message, params)) from None
 
     # -- running -------------------------------------------------------------------------------
     async def run(self, raw: Request, request_id: str, prompts: list[dict[str, Any]],
@@ -277,6 +280,20 @@ def _field_named(message: str, fields: Any) -> str | None:
     `fields` (a request or SamplingParams) has one by that name: the error's `param`."""
     name = re.match(r"\w+", message)
     return name.group() if name is not None and hasattr(fields, name.group()) else None
+
+
+def _constraint_named(message: str, req: SamplingFields, tools_constrain: bool
+                      ) -> tuple[str, str | None]:
+    """A constraint's error (it names structured_outputs.<kind>) with the field the client
+    sent in its place, and that field as the `param`; other errors unchanged, no param."""
+    if not message.startswith(("invalid structured_outputs", "structured_outputs")):
+        return message, None
+    field = ("tools" if tools_constrain
+             else next((n for n in _GUIDED_FIELDS if getattr(req, n, None) is not None), None)
+             or ("structured_outputs" if req.structured_outputs is not None else "response_format"))
+    if field != "structured_outputs":
+        message = re.sub(r"structured_outputs(\.\w+)?", field, message, count=1)
+    return message, field
 
 
 def _guided(req: SamplingFields, backend: str) -> dict[str, Any] | None:

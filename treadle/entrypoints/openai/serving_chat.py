@@ -72,8 +72,7 @@ class ChatServing:
             max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             **overrides)
         prompt, ids = serving.engine.input_processor.truncate(text, ids, params)
-        await serving.validate(params, [ids], "max_completion_tokens"
-                               if req.max_completion_tokens is not None else "max_tokens")
+        await serving.validate(params, [ids], req, "structured_outputs" in overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = None
         if self.reasoning_parser is not None:

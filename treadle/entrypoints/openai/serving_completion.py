@@ -57,7 +57,7 @@ class CompletionServing:
         truncate = serving.engine.input_processor.truncate
         prompts = [dict(zip(("prompt", "prompt_token_ids"),
                             truncate(p["prompt"], p["prompt_token_ids"], params))) for p in prompts]
-        await serving.validate(params, [p["prompt_token_ids"] for p in prompts])
+        await serving.validate(params, [p["prompt_token_ids"] for p in prompts], req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         render = _Renderer(serving, req, request_id, prompts, prompt_only)
         return await serving.run(raw, request_id, prompts, params, req.priority, req.cache_salt,

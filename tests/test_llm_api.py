@@ -338,6 +338,9 @@ def test_chat_takes_what_vllms_llm_chat_takes(llm):
     with pytest.raises(ValueError, match="only text content parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], params,
                  use_tqdm=False)
+    with pytest.raises(ValueError, match="a text content part needs its text as a string"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], params,
+                 use_tqdm=False)
     out = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
                    params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
     assert out[0].prompt.endswith("Hel")

@@ -231,8 +231,9 @@ def content_text(content: str | list[Any] | None) -> str:
         return content or ""
     texts = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"
-                and isinstance(part.get("text"), str)):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
             raise ValueError(f"only text content parts are supported, got {part!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"a text content part needs its text as a string, got {part!r}")
         texts.append(part["text"])
     return "\n".join(texts)

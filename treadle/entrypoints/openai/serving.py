@@ -411,8 +411,8 @@ def message_text(m: ChatMessage) -> str:
     """A message's content as text: OpenAI's text parts joined by newlines, as vLLM does."""
     try:
         return content_text(m.content)
-    except ValueError:
-        raise OpenAIError(400, "only text content parts are supported", "messages") from None
+    except ValueError as e:
+        raise OpenAIError(400, str(e).partition(", got")[0], "messages") from None
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:

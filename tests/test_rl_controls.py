@@ -945,6 +945,52 @@ def test_sleep_is_refused_while_requests_wait_to_run_unpaused(llama, reference, 
     run_engine(llama, body)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("before", ["reset_running_requests", "pause_wait_after_keep"])
+def test_weight_change_refused_while_requests_wait_to_run_unpaused(llama, reference, prompts,
+                                                                   before, async_scheduling):
+    """A weight change with requests that have produced tokens waiting to run, none running,
+    the engine unpaused: reset_prefix_cache(reset_running_requests=True), or pause("wait")
+    letting requests kept by pause("keep", clear_cache=True) run again. The check looked at
+    running requests alone, so a change queued right behind either went through (over HTTP, a
+    reset and an /update_weights_from_disk sent together: 200 in 4 of 10 tries, each stream
+    carrying tokens of both weight versions). Both calls run as one on the engine thread, as
+    they do queued back to back, so that no step comes between them."""
+    ref = reference(llama)
+
+    async def body(engine):
+        core = engine.core
+        tasks = [await started(engine, str(i), p, greedy(MAX_TOKENS * 3))
+                 for i, p in enumerate(prompts[:2])]
+        if before == "pause_wait_after_keep":
+            await engine.pause_generation(mode="keep", clear_cache=True)
+
+        def then_change():
+            if before == "reset_running_requests":
+                assert core.reset_prefix_cache(reset_running_requests=True)
+            else:   # what pause("wait") does first: kept requests may run again
+                core.prepare_to_finish_requests()
+            assert not core.paused and core.has_unfinished_requests()
+            try:
+                core.load_weights(llama, "changed unpaused")
+            except RuntimeError as e:
+                return str(e)
+            return None
+
+        refusal = await engine._call(then_change)
+        finals = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+        assert refusal is not None and "paused or idle" in refusal, (
+            "a weight change went through while requests that had produced tokens were "
+            f"waiting to run, unpaused; weight_version now {await engine.get_weight_version()!r}")
+        for p, final in zip(prompts, finals):
+            assert final.outputs[0].token_ids == ref.greedy(p, MAX_TOKENS * 3)
+            assert final.weight_version == 0
+        await engine.resume_generation()
+        assert_no_leaks(engine)
+
+    run_engine(llama, body, async_scheduling=async_scheduling)
+
+
 def test_an_abort_cuts_a_waiting_pause_short(llama, prompts):
     """pause("abort") while a pause("wait") waits for the requests: it queued behind it and
     returned only once they had all run to max_tokens (over HTTP, nothing can cancel the first

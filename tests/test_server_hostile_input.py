@@ -52,6 +52,7 @@ def test_vllm_xargs_kv_transfer_params_not_an_object_is_a_400(server):
             status, answer = server.request("POST", path, {**body,
                                                            "vllm_xargs": {"kv_transfer_params": value}})
             assert_400(status, answer, "kv_transfer_params")
+            assert answer["error"]["param"] == "kv_transfer_params", answer
     assert server.request("GET", "/health")[0] == 200
     wait_until_no_block_is_used(server)
 

@@ -352,6 +352,16 @@ def test_http_routes(llama, reference, prompts, original_weights, trainer_for, t
             "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}})
         assert_error(status, body, 400)
         assert body["error"]["param"] == "init_info.rank_offset"
+        # Past what torch.distributed takes (C ints; deadlines overflow past ~292 years): it
+        # failed there, a 502 naming no field.
+        for change, field in (({"world_size": 2**31}, "world_size"),
+                              ({"rank_offset": 2**31, "world_size": 2**31 + 1}, "rank_offset"),
+                              ({"timeout": 1e10}, "timeout")):
+            status, body = post("/init_weight_transfer_engine", {"init_info": {
+                "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                "world_size": 2, **change}})
+            assert_error(status, body, 400)
+            assert body["error"]["param"] == f"init_info.{field}"
 
         trainer = trainer_for(llama, 1)
 
@@ -366,6 +376,14 @@ def test_http_routes(llama, reference, prompts, original_weights, trainer_for, t
         assert_error(status, body, 400)
         assert body["error"]["param"] == "update_info.dtype_names"
         assert_error(*post("/update_weights", {"update_info": {}}), 409)   # the round went
+        # A size past any tensor's bytes: torch failed on it in the workers (a 409, a C++ trace).
+        for shape in ([2**40, 2**40], [2**63]):
+            trainer.group(init)
+            assert post("/start_weight_update")[0] == 200
+            status, body = post("/update_weights", {"update_info": {
+                "names": [trainer.names[0]], "dtype_names": ["float32"], "shapes": [shape]}})
+            assert_error(status, body, 400)
+            assert body["error"]["param"] == "update_info.shapes"
         trainer.group(init)
         assert post("/start_weight_update")[0] == 200
         # A name the model does not have: refused, and the group dropped (the trainer sent).

@@ -38,6 +38,11 @@ DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30   # vLLM's default
 DEFAULT_PACKED_NUM_BUFFERS = 2
 # Keys of this group in the trainer's store, apart from anything else the trainer keeps there.
 STORE_PREFIX = "treadle-weight-transfer/"
+# torch.distributed takes a group's size and ranks as C ints, and its deadlines overflow past
+# about 292 years; a tensor's bytes must fit an int64.
+MAX_WORLD_SIZE = 2**31 - 1
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+MAX_TENSOR_BYTES = 2**63 - 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,14 +74,17 @@ class InitInfo:
                              f"{info.master_address!r}")
         if not _is_int(info.master_port) or not 0 < info.master_port < 65536:
             raise ValueError(f"init_info.master_port must be in 1..65535, got {info.master_port!r}")
-        if not _is_int(info.rank_offset) or info.rank_offset < 1:
-            raise ValueError(f"init_info.rank_offset must be an integer >= 1 (the trainer is "
-                             f"rank 0), got {info.rank_offset!r}")
-        if not _is_int(info.world_size) or info.world_size < 2:
-            raise ValueError(f"init_info.world_size must be an integer >= 2, got "
-                             f"{info.world_size!r}")
+        if not _is_int(info.rank_offset) or not 1 <= info.rank_offset < MAX_WORLD_SIZE:
+            raise ValueError(f"init_info.rank_offset must be an integer in 1..{MAX_WORLD_SIZE - 1} "
+                             f"(the trainer is rank 0), got {info.rank_offset!r}")
+        if not _is_int(info.world_size) or not 2 <= info.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"init_info.world_size must be an integer in 2..{MAX_WORLD_SIZE}, "
+                             f"got {info.world_size!r}")
         if info.timeout is not None:
             check_seconds("init_info.timeout", info.timeout)
+            if info.timeout > MAX_TIMEOUT_S:
+                raise ValueError(f"init_info.timeout must be at most {MAX_TIMEOUT_S:.0f} seconds "
+                                 f"(a year), got {info.timeout!r}")
         return info
 
 
@@ -121,6 +129,9 @@ class UpdateInfo:
                     or not all(_is_int(d) and d >= 0 for d in shape)):
                 raise ValueError(f"update_info.shapes[{i}] ({name!r}) must be a list of sizes "
                                  f">= 0, got {shape!r}")
+            if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
+                raise ValueError(f"update_info.shapes[{i}] ({name!r}) is {list(shape)}: more "
+                                 f"than {MAX_TENSOR_BYTES} bytes, past any tensor")
         if not isinstance(info.packed, bool):
             raise ValueError(f"update_info.packed must be true or false, got {info.packed!r}")
         for name in ("packed_buffer_size_bytes", "packed_num_buffers"):

@@ -285,7 +285,11 @@ class EngineCore:
             self.drain()   # the one path that accounts for a step (and wraps its failures)
 
     def _check_quiet(self, what: str) -> None:
-        if self.scheduler.running and not self.paused:
+        # Waiting requests count too: a reset of the running ones, or pause("wait") after a
+        # pause("keep"), leaves requests that have produced tokens waiting, none running,
+        # unpaused; a change now would stall them unseen (sleep) or let them carry on under
+        # other weights.
+        if not self.paused and self.has_unfinished_requests():
             raise RuntimeError(f"{what} needs a paused or idle engine: "
                                "call pause_generation() first")
 
@@ -422,11 +426,6 @@ class EngineCore:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         self._check_quiet("sleep")
-        if not self.paused and self.has_unfinished_requests():
-            # Requests waiting to run (just preempted by a reset, or let run by pause("wait"))
-            # would stall unseen until wake_up.
-            raise RuntimeError("sleep needs a paused or idle engine: requests are waiting to "
-                               "run; call pause_generation() first")
         # Kept requests lose their KV: they recompute after wake_up.
         cleared = self.reset_prefix_cache(reset_running_requests=True)
         assert cleared, "no block may be held once running requests are reset"

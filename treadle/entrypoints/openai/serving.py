@@ -233,7 +233,8 @@ class OpenAIServing:
                 field = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
                          is not None else "max_tokens")
                 message, param = message.replace("max_tokens must", f"{field} must"), field
-            raise OpenAIError(400, message, param or _field_named(message, params)) from None
+            raise OpenAIError(400, message, param or _field_named(message, req)
+                              or _field_named(message, params)) from None
 
     # -- running -------------------------------------------------------------------------------
     async def run(self, raw: Request, request_id: str, prompts: list[dict[str, Any]],

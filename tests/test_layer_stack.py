@@ -101,9 +101,15 @@ def test_start_up_warms_the_head_only_for_the_rows_a_step_samples(tiny_checkpoin
     path = tiny_checkpoints["qwen3"]   # untied
     with LLM(path, max_num_seqs=8, max_num_batched_tokens=512) as llm:
         vocab = llm.engine.config.model.hf_config.vocab_size
-        assert llm.engine.core.executor.worker.runner.model.lm_head is not None
+        model = llm.engine.core.executor.worker.runner.model
+        assert model.lm_head is not None
+        # With AMX tiles an fp32 weight runs AVX-512 panels, then bf16x3 past them, and keeps
+        # no oneDNN copy: nothing of it to warm up.
+        packed = any(m.packed is not None for m in model.modules()
+                     if isinstance(m, linear.Linear) and m is not model.lm_head)
     assert max((rows for rows, out in seen if out == vocab), default=0) <= linear.gemm_rows(8)
-    assert max(rows for rows, out in seen if out != vocab) == 512
+    others = [rows for rows, out in seen if out != vocab]
+    assert (max(others) == 512) if packed else not others
 
 
 @needs_kernels

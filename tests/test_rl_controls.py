@@ -19,6 +19,7 @@ from tests.reference import HFReference
 from tests.test_correctness import TEXTS
 from treadle import (LLM, AsyncLLM, EngineBusyError, EngineDeadError, RequestOutputKind,
                      SamplingParams)
+from treadle.engine.weights import ServedWeights
 from treadle.models.loader import load_tokenizer
 
 ENGINE_ARGS = {"block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 2}
@@ -861,6 +862,13 @@ def test_llm_generate_while_asleep_does_not_spin(llama, prompts):
     llm.engine.step = capped_step
     with pytest.raises(RuntimeError):
         llm.generate({"prompt_token_ids": prompts[0]}, greedy(4), use_tqdm=False)
+
+
+def test_an_unlabelled_change_counts_up_an_int_label_only():
+    """After a label of true, an unlabelled change was labelled 2 (a bool is an int)."""
+    assert ServedWeights(label=3).transferred("digest", None).label == 4
+    assert ServedWeights(label=True).transferred("digest", None).label is None
+    assert ServedWeights(label="v1").transferred("digest", None).label is None
 
 
 def test_outputs_held_across_a_weight_change_keep_their_weights_label(llama, reference, prompts,

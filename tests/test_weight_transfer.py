@@ -352,11 +352,12 @@ def test_http_routes(llama, reference, prompts, original_weights, trainer_for, t
             "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}})
         assert_error(status, body, 400)
         assert body["error"]["param"] == "init_info.rank_offset"
-        # Past what torch.distributed takes (C ints; deadlines overflow past ~292 years): it
-        # failed there, a 502 naming no field.
+        # Past what torch.distributed takes (C ints; deadlines overflow past ~292 years; no
+        # NUL in a host name): it failed there, a 502 naming no field.
         for change, field in (({"world_size": 2**31}, "world_size"),
                               ({"rank_offset": 2**31, "world_size": 2**31 + 1}, "rank_offset"),
-                              ({"timeout": 1e10}, "timeout")):
+                              ({"timeout": 1e10}, "timeout"),
+                              ({"master_address": "127.0.0.1\x00"}, "master_address")):
             status, body = post("/init_weight_transfer_engine", {"init_info": {
                 "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
                 "world_size": 2, **change}})

@@ -69,7 +69,8 @@ class InitInfo:
             if name not in fields:
                 raise ValueError(f"init_info.{name} is required")
         info = cls(**fields)
-        if not isinstance(info.master_address, str) or not info.master_address:
+        if (not isinstance(info.master_address, str) or not info.master_address
+                or not info.master_address.isprintable()):
             raise ValueError(f"init_info.master_address must be a host name or address, got "
                              f"{info.master_address!r}")
         if not _is_int(info.master_port) or not 0 < info.master_port < 65536:

@@ -91,7 +91,8 @@ class ServedWeights:
     def _next_label(self, label: Any) -> Any:
         if label is not None:
             return label
-        return self.label + 1 if isinstance(self.label, int) else None
+        counted = isinstance(self.label, int) and not isinstance(self.label, bool)
+        return self.label + 1 if counted else None
 
 
 def update_digest() -> Any:

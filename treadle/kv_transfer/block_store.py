@@ -129,9 +129,10 @@ class BlockStoreConnector(KVConnectorBase):
         self.load_async = bool(self.extra.get("load_async", False))
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
-        # A waiting request's head already kept (_keep_head): its local hit in blocks, when it
-        # was kept. The lookup repeats every step while a request waits for room; its head is
-        # kept again only if the hit grew. Dropped on admission and on finishing.
+        # A waiting request's head (the blocks its local hit serves) already kept in use by a
+        # lookup (`_lookup`'s keep_head): that hit, in blocks. The lookup repeats every step
+        # while a request waits for room; its head is kept again only if the hit grew.
+        # Dropped on admission and on finishing.
         self._head_kept: dict[str, int] = {}
         self._loads: list[BlockTransfer] = []
         self._async_loads: dict[str, list[BlockTransfer]] = {}

@@ -315,7 +315,7 @@ def test_serve_with_two_stages_and_a_worker_killed(tiny_checkpoints, reference, 
     """`treadle serve --pipeline-parallel-size 2`: exact completions through the openai SDK;
     then a worker is killed mid-stream: the stream ends with finish_reason "error", /health
     says 503, and the server still shuts down cleanly, leaving no worker behind."""
-    from tests.test_server import MODEL, Server, StreamReader
+    from tests.test_server import MODEL, Server, StreamReader, spawned_by
 
     path = tiny_checkpoints["llama"]
     ids = token_ids(path)[0]
@@ -326,8 +326,8 @@ def test_serve_with_two_stages_and_a_worker_killed(tiny_checkpoints, reference, 
         out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
                                         extra_body={"ignore_eos": True})
         assert out.choices[0].text == load_tokenizer(path).decode(reference(path).greedy(ids, 16))
-        workers = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
-                   if "resource_tracker" not in " ".join(p.cmdline())]
+        [core] = spawned_by(srv.proc.pid)   # the engine core's process, which spawned the workers
+        workers = spawned_by(core.pid)
         assert len(workers) == 2
         reader = StreamReader(client, prompt=ids, max_tokens=200, temperature=0,
                               extra_body={"ignore_eos": True})
@@ -339,7 +339,7 @@ def test_serve_with_two_stages_and_a_worker_killed(tiny_checkpoints, reference, 
         assert status == 503 and "worker rank" in body["error"]["message"], body
     finally:
         assert srv.stop() == 0, srv.log()
-    assert not any(running(p.pid) for p in workers)
+    assert not any(running(p.pid) for p in [core, *workers])
 
 
 def test_a_restarted_worker_group_loses_no_request(tiny_checkpoints, reference):

@@ -19,6 +19,7 @@ from tests.reference import HFReference
 from tests.test_correctness import TEXTS
 from treadle import (LLM, AsyncLLM, EngineBusyError, EngineDeadError, RequestOutputKind,
                      SamplingParams)
+from treadle.engine.core import EngineCore
 from treadle.engine.weights import ServedWeights
 from treadle.models.loader import load_tokenizer
 
@@ -905,21 +906,23 @@ def test_outputs_held_across_a_weight_change_keep_their_weights_label(llama, ref
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_a_pause_given_up_while_the_core_pauses_leaves_it_as_it_says(llama, reference, prompts,
-                                                                     mode):
+                                                                     mode, monkeypatch):
     """A pause_generation that times out (or is cancelled) while the engine thread already
     pauses (draining a long step): the core's pause still happens. AsyncLLM once went back to
     "not paused" while the core stayed paused, and no request ran again, with nothing to say
     why, until a resume."""
     ref = reference(llama)
 
+    original = EngineCore.pause
+
+    def slow_pause(core, *args, **kwargs):
+        time.sleep(0.5)   # stands in for a drain waiting on a long step in flight
+        return original(core, *args, **kwargs)
+
+    # AsyncLLM calls the core's methods by name, through the class.
+    monkeypatch.setattr(EngineCore, "pause", slow_pause)
+
     async def body(engine: AsyncLLM):
-        original = engine.core.pause
-
-        def slow_pause(*args, **kwargs):
-            time.sleep(0.5)   # stands in for a drain waiting on a long step in flight
-            return original(*args, **kwargs)
-
-        engine.core.pause = slow_pause
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(engine.pause_generation(mode=mode), timeout=0.2)
         await asyncio.sleep(0.6)   # the core's pause is done by now, and undone
@@ -967,13 +970,12 @@ def test_weight_change_refused_while_requests_wait_to_run_unpaused(llama, refere
     ref = reference(llama)
 
     async def body(engine):
-        core = engine.core
         tasks = [await started(engine, str(i), p, greedy(MAX_TOKENS * 3))
                  for i, p in enumerate(prompts[:2])]
         if before == "pause_wait_after_keep":
             await engine.pause_generation(mode="keep", clear_cache=True)
 
-        def then_change():
+        def then_change(core):
             if before == "reset_running_requests":
                 assert core.reset_prefix_cache(reset_running_requests=True)
             else:   # what pause("wait") does first: kept requests may run again

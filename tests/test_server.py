@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 
 import treadle
@@ -101,6 +102,20 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
+
+
+def spawned_by(pid: int) -> list[psutil.Process]:
+    """The processes `pid` spawned, its resource tracker aside: a server's engine core process
+    (`--engine-process`, the default), or that process's workers."""
+    found = []
+    for child in psutil.Process(pid).children():
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            found.append(child)
+    return found
 
 
 class StreamReader(threading.Thread):

@@ -21,7 +21,8 @@ from treadle.entrypoints.engine_cli_args import engine_args_from
 STAGES = ["start-up: imports in", "start-up: model files in", "loading the engine",
           "engine config in",
           "read the weights in", "loaded ", "KV cache: 65 blocks of 16 tokens",
-          "allocated 65 KV blocks in", "start-up: engine in", "froze",
+          "allocated 65 KV blocks in", "the engine core process: froze", "start-up: engine in",
+          "the server: froze",
           "start-up: garbage collector in", "listening on", "ready to serve"]
 
 

@@ -19,7 +19,8 @@ Parts:
   45 asks for 90%), and, teacher-forced over fp32's tokens, the share of positions whose top
   token agrees and the log-probability gap; each beside transformers' own bf16 against its fp32.
 - serving: `treadle serve` on that model, driven by `treadle bench serve` at concurrency 1, 16
-  and 64: TTFT, TPOT and ITL, p50 and p99 (needs FastAPI, uvicorn and pydantic: wheels.sh).
+  and 64: TTFT, TPOT and ITL, p50 and p99 (needs FastAPI, uvicorn and pydantic: wheels.sh);
+  then at 16 and 64 with `--no-engine-process`.
 - transformers: the same model on a subset of those requests, for the ratio, with its
   continuous batching (`generate_batch`) where the installed version has it.
 Writes DIR/workloads.json and prints a table last.
@@ -499,8 +500,23 @@ def profile(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
 def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     """`treadle serve` on the throughput part's model, driven by `treadle bench serve`'s
     streamed client at concurrency 1, 16 and 64 (twice as many requests as the cap, 128 tokens
-    in and out): TTFT, TPOT and ITL. The server needs FastAPI, uvicorn and pydantic, which the
-    GPU machines carry only as wheels (benchmarks/gpu/README.md)."""
+    in and out): TTFT, TPOT and ITL, with the engine core in a process of its own (the
+    default). Then again at 16 and 64 with the core on a thread of the server's process
+    (`--no-engine-process`), where it shares the GIL with the event loop. The
+    server needs FastAPI, uvicorn and pydantic, which the GPU machines carry only as wheels
+    (benchmarks/gpu/README.md)."""
+    path = throughput_requests(ns, folder)[0]
+    if ns.device.startswith("cuda"):   # what this process's engines left cached, to the server
+        torch.cuda.empty_cache()
+    results = _serve(ns, path, (1, 4) if ns.small else (1, 16, 64), [], "serving-server.log")
+    for key, value in _serve(ns, path, (4,) if ns.small else (16, 64), ["--no-engine-process"],
+                             "serving-engine-thread.log").items():
+        results[f"engine thread, {key}"] = value
+    return results
+
+
+def _serve(ns: argparse.Namespace, path: str, levels: tuple[int, ...], extra: list[str],
+           log_name: str) -> dict[str, Any]:
     import asyncio
     import subprocess
 
@@ -510,21 +526,19 @@ def serving(ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     from treadle.bench.throughput import make_workload
     from treadle.models.loader import load_tokenizer
 
-    path = throughput_requests(ns, folder)[0]
-    if ns.device.startswith("cuda"):   # what this process's engines left cached, to the server
-        torch.cuda.empty_cache()
     port = free_port()
     flags = [f for key, value in ns.engine.items() for f in (f"--{key.replace('_', '-')}", str(value))]
-    log = open(os.path.join(ns.out, "serving-server.log"), "w")
+    log = open(os.path.join(ns.out, log_name), "w")
     server = subprocess.Popen([sys.executable, "-m", "treadle.entrypoints.cli", "serve", path,
                                "--host", "127.0.0.1", "--port", str(port), "--device", ns.device,
-                               "--dtype", "bfloat16", *flags], stdout=log, stderr=subprocess.STDOUT)
+                               "--dtype", "bfloat16", *flags, *extra],
+                              stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, server, timeout=150)   # its log: serving-server.log
+        wait_healthy(base, server, timeout=150)   # its log: log_name
         tokenizer = load_tokenizer(path)
         results: dict[str, Any] = {}
-        for concurrency in ((1, 4) if ns.small else (1, 16, 64)):
+        for concurrency in levels:
             work = make_workload(tokenizer, 2 * concurrency, (128, 128), (128, 128), seed=concurrency)
             main_stat = f"/proc/{server.pid}/task/{server.pid}/stat"
             main_before = cpu_seconds(main_stat)

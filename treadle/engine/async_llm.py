@@ -1,9 +1,10 @@
 """AsyncLLM: the online engine API for asyncio (streaming generation and the RL controls).
 
-The engine core is built and steps on its own thread (EngineCoreThread); this object lives on
-the caller's event loop. Detokenizing and stop strings happen here, on the loop, and tokenizing
-a text prompt on a thread of this object's; the core thread hands each step's outputs over with
-`call_soon_threadsafe`.
+The engine core is built and steps on its own thread (EngineCoreThread), or in a process of its
+own (EngineCoreProcess, `engine_process=True`); this object lives on the caller's event loop.
+Detokenizing and stop strings happen here, on the loop, and tokenizing a text prompt on a thread
+of this object's; the core's thread (or the thread receiving from its process) hands each
+step's outputs over with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, AsyncGenerator, Callable, Iterable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Iterable
 
 import torch
 
@@ -20,6 +21,7 @@ from treadle.config import EngineArgs
 from treadle.core.scheduler_output import EngineCoreOutput
 from treadle.core.stats import SchedulerStats
 from treadle.engine.core import PAUSE_MODES, EngineCore, PauseMode
+from treadle.engine import core_calls
 from treadle.engine.core_thread import EngineCoreThread
 from treadle.engine.errors import EngineBusyError, EngineDeadError
 from treadle.engine.input_processor import InputProcessor, PromptType
@@ -35,13 +37,19 @@ from treadle.request import RequestStatus
 from treadle.sampling_params import SamplingParams
 from treadle.worker.malloc import keep_freed_memory
 
+if TYPE_CHECKING:
+    from treadle.engine.core_client import EngineCoreProcess
+
 logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    """`AsyncLLM(model=None, **engine_args)`; with no model, the embedded SmolLM2-135M-Instruct."""
+    """`AsyncLLM(model=None, engine_process=False, **engine_args)`; with no model, the embedded
+    SmolLM2-135M-Instruct. `engine_process=True` runs the engine core in a process of its own
+    (engine/core_proc.py), so that it shares no GIL with this one's event loop."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, engine_process: bool = False,
+                 **engine_args: Any) -> None:
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -59,11 +67,19 @@ class AsyncLLM:
         self._pause_lock: asyncio.Lock | None = None
         self._dead: BaseException | None = None
         self._last_weights: ServedWeights | None = None   # of the latest outputs delivered
-        if self.config.device.startswith("cpu"):
-            keep_freed_memory()   # before the engine thread's first allocation picks its arena
-        self._core = EngineCoreThread(lambda: EngineCore(self.config), self._outputs_from_thread,
-                                      self._error_from_thread)
-        self.core = self._core.core
+        self._core: EngineCoreThread | EngineCoreProcess
+        if engine_process:
+            # Imported only here: pyzmq is not on every machine (a GPU machine may lack it).
+            from treadle.engine.core_client import EngineCoreProcess
+            self._core = EngineCoreProcess(self.config, self._outputs_from_thread,
+                                           self._error_from_thread)
+            self.core: EngineCore | None = None   # in the other process: reach it by _call
+        else:
+            if self.config.device.startswith("cpu"):
+                keep_freed_memory()   # before the engine thread's first allocation picks its arena
+            self._core = EngineCoreThread(lambda: EngineCore(self.config),
+                                          self._outputs_from_thread, self._error_from_thread)
+            self.core = self._core.core
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -121,7 +137,7 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, ids, params,
                                           [r.request_id for r in requests])
         try:
-            await asyncio.wrap_future(self._core.submit(self.core.add_requests, requests))
+            await asyncio.wrap_future(self._core.call(EngineCore.add_requests, requests))
         except BaseException:
             # Cancelled while the engine thread may already have added it: abort it there too.
             self._streams.pop(request_id, None)
@@ -155,7 +171,7 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if final is not None and stream is not None:
             stream.put(final, self._last_weights)   # made of what the last delivery made
-        return self._core.submit(self.core.abort_requests, engine_ids) if engine_ids else None
+        return self._core.call(EngineCore.abort_requests, engine_ids) if engine_ids else None
 
     # -- outputs from the engine thread --------------------------------------------------
     def _bind_loop(self) -> None:
@@ -173,7 +189,7 @@ class AsyncLLM:
         ready, stopped = self.output_processor.process_outputs(outputs, weights.label)
         self._last_weights = weights
         if stopped:
-            self._core.submit(self.core.finish_requests, stopped, RequestStatus.FINISHED_STOPPED)
+            self._core.call(EngineCore.finish_requests, stopped, RequestStatus.FINISHED_STOPPED)
         for out in ready:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -191,13 +207,14 @@ class AsyncLLM:
             stream.put(EngineDeadError(f"the engine core failed: {exc!r}"))
 
     async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Run a core method on the engine thread, between steps."""
+        """fn(core, *args, **kwargs) between the core's steps: an EngineCore method or a
+        function of engine/core_calls.py."""
         return await asyncio.wrap_future(self._submit(fn, *args, **kwargs))
 
     def _submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
         if self._dead is not None:
             raise EngineDeadError(f"the engine core failed: {self._dead!r}")
-        return self._core.submit(fn, *args, **kwargs)
+        return self._core.call(fn, *args, **kwargs)
 
     # -- RL controls ---------------------------------------------------------------------
     def _lock(self) -> asyncio.Lock:
@@ -223,18 +240,18 @@ class AsyncLLM:
                 if mode == "abort":
                     self._abort_every_request()
                 elif mode == "wait":
-                    await self._call(self.core.prepare_to_finish_requests)
+                    await self._call(EngineCore.prepare_to_finish_requests)
                     await asyncio.wrap_future(self._core.when_idle())
-                pause_call = self._submit(self.core.pause, mode, clear_cache)
+                pause_call = self._submit(EngineCore.pause, mode, clear_cache)
                 await asyncio.wrap_future(pause_call)
             except BaseException:   # refused or cancelled: back to the state before this call
                 self._pause_mode = previous
                 if previous is not None:   # "wait" let kept requests run: freeze them again
-                    self._core.submit(self.core.pause, "keep", False)
+                    self._core.call(EngineCore.pause, "keep", False)
                 elif pause_call is not None and not pause_call.cancelled():
                     # Cancelled while the engine thread was already pausing: that pause still
                     # happens, so undo it after it, or the core stays paused unseen.
-                    self._core.submit(self.core.resume)
+                    self._core.call(EngineCore.resume)
                 raise
 
     def _abort_every_request(self) -> None:
@@ -244,7 +261,7 @@ class AsyncLLM:
     async def resume_generation(self) -> None:
         self._bind_loop()
         async with self._lock():
-            await self._call(self.core.resume)
+            await self._call(EngineCore.resume)
             self._pause_mode = None
 
     async def check_health(self) -> None:
@@ -257,13 +274,13 @@ class AsyncLLM:
         if dead is not None:
             raise EngineDeadError(f"the engine core failed: {dead!r}")
         # Asked here, not on the engine thread, which may be busy with a long step.
-        reason = self.core.failure()
+        reason = self._core.worker_failure()
         if reason is not None:
             raise EngineDeadError(reason)
 
     async def get_stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage, prefix-cache, preemption and spec-decode counters."""
-        return await self._call(self.core.get_stats)
+        return await self._call(EngineCore.get_stats)
 
     async def render_metrics(self) -> bytes:
         """Every `treadle:*` metric in the Prometheus text format."""
@@ -274,17 +291,17 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         """As vLLM's: from sleep() until every part it put to sleep is woken."""
-        return await self._call(lambda: bool(self.core.asleep))
+        return await self._call(core_calls.is_asleep)
 
     async def get_engine_status(self) -> dict[str, Any]:
         """Requests with their progress, the KV cache block by block, counters and the pause
         state, as of one moment between steps (engine/status.py)."""
-        status = await self._call(engine_status, self.core)
+        status = await self._call(engine_status)
         status["pause_mode"] = self._pause_mode
         return status
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return await self._call(self.core.reset_prefix_cache, reset_running_requests)
+        return await self._call(EngineCore.reset_prefix_cache, reset_running_requests)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              weight_version: Any = None) -> int:
@@ -293,44 +310,43 @@ class AsyncLLM:
         Given a weight-transfer request ({"update_info": {...}}), receive that part of a round."""
         if update_info_of(named_tensors) is None:
             named_tensors = list(named_tensors)
-        return await self._call(self.core.update_weights, named_tensors, weight_version)
+        return await self._call(EngineCore.update_weights, named_tensors, weight_version)
 
     async def init_weight_transfer_engine(self, request: Any) -> None:
         """Join the trainer's group: {"init_info": {master_address, master_port, rank_offset,
         world_size}} (treadle/distributed/weight_transfer.py)."""
-        await self._call(self.core.init_weight_transfer_engine, request)
+        await self._call(EngineCore.init_weight_transfer_engine, request)
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        await self._call(self.core.start_weight_update, is_checkpoint_format)
+        await self._call(EngineCore.start_weight_update, is_checkpoint_format)
 
     async def finish_weight_update(self, weight_version: Any = None) -> int:
         """Apply the round received since start_weight_update; returns the weights set."""
-        return await self._call(self.core.finish_weight_update, weight_version)
+        return await self._call(EngineCore.finish_weight_update, weight_version)
 
     async def load_weights(self, path: str, weight_version: Any = None) -> int:
-        return await self._call(self.core.load_weights, path, weight_version)
+        return await self._call(EngineCore.load_weights, path, weight_version)
 
     async def labelled(self, change: str, *args: Any) -> tuple[int, Any]:
         """A weight change (`change`: "load_weights" or "finish_weight_update", with its
         arguments) and the label it left, read in the same call on the engine thread: a change
         queued behind it cannot lend it its own label."""
-        if change not in ("load_weights", "finish_weight_update"):
+        if change not in core_calls.WEIGHT_CHANGES:   # here too: nothing is sent for it
             raise ValueError(f"change must be load_weights or finish_weight_update, got {change!r}")
-        method = getattr(self.core, change)
-        return await self._call(lambda: (method(*args), self.core.weight_version))
+        return await self._call(core_calls.labelled, change, *args)
 
     async def get_weight_version(self) -> Any:
-        return await self._call(lambda: self.core.weight_version)
+        return await self._call(core_calls.weight_version)
 
     async def sleep(self, level: int = 1) -> None:
-        await self._call(self.core.sleep, level)
+        await self._call(EngineCore.sleep, level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call(self.core.wake_up, tags)
+        await self._call(EngineCore.wake_up, tags)
 
     async def collective_rpc(self, method: str | Callable, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
-        return await self._call(self.core.collective_rpc, method, args, kwargs)
+        return await self._call(EngineCore.collective_rpc, method, args, kwargs)
 
     def shutdown(self) -> None:
         """Abort whatever is running and stop the engine thread."""

@@ -69,7 +69,9 @@ class EngineCoreThread:
 
     def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
         """Run fn(*args, **kwargs) on the engine thread, between two steps."""
-        future: Future = Future()
+        return self._enqueue(Future(), fn, args, kwargs)
+
+    def _enqueue(self, future: Future, fn: Callable, args: tuple, kwargs: dict) -> Future:
         with self._lock:   # not between the thread's last drain of the queue and its exit
             if self._failure is not None:
                 future.set_exception(EngineDeadError(f"the engine core failed: {self._failure}"))
@@ -78,6 +80,21 @@ class EngineCoreThread:
             else:
                 self._calls.put((fn, args, kwargs, future))
         return future
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run fn(core, *args, **kwargs) on the engine thread, between two steps. fn is an
+        EngineCore method or a module-level function (engine/core_calls.py), as an engine core
+        in a process of its own (engine/core_client.py) takes the same calls by name."""
+        return self.submit(lambda: fn(self.core, *args, **kwargs))
+
+    def call_into(self, future: Future, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """call(fn, *args, **kwargs), completing `future`: callbacks attached to it beforehand
+        run on the engine thread, after the outputs the call produced (core_proc.py's replies)."""
+        self._enqueue(future, lambda: fn(self.core, *args, **kwargs), (), {})
+
+    def worker_failure(self) -> str | None:
+        """EngineCore.failure(): a worker group that died and will not be replaced."""
+        return self.core.failure()
 
     def when_idle(self) -> Future:
         """A future that completes once the core has no request and no step in flight."""

@@ -70,7 +70,7 @@ def worker_main(rank: int, config: TreadleConfig, address: str, store_port: int,
     """Entry point of a spawned worker process."""
     # Ctrl-C reaches the whole process group: the engine shuts the workers down itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent(parent_pid, os.path.dirname(address.removeprefix("ipc://")))
+    exit_with_parent(parent_pid, os.path.dirname(address.removeprefix("ipc://")))
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     import torch
@@ -183,7 +183,7 @@ def _remote_error(rank: int, e: BaseException) -> RemoteError:
     return RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())
 
 
-def _exit_with_parent(parent_pid: int, ipc_dir: str) -> None:
+def exit_with_parent(parent_pid: int, ipc_dir: str) -> None:
     """Exit as soon as the parent is gone (this process is then re-parented), removing the
     folder of its socket, which the parent had no chance to."""
     def watch() -> None:

@@ -87,6 +87,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                    help='template variables every chat request gets unless it sets them in its '
                         'chat_template_kwargs, e.g. \'{"enable_thinking": false}\' [default: none]')
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in a process of its own, as vLLM does, so that the "
+                        "HTTP event loop and the step loop share no GIL; --no-engine-process "
+                        "steps it on a thread of the server's process [default: on]")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (access log at info) [default: info]")

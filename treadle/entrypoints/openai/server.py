@@ -392,7 +392,7 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any], sock: socket
                                engine_args.get("download_dir"))
     _stage_done(phases, "model files", model_path)
     logger.info("loading the engine")
-    engine = AsyncLLM(**{**engine_args, "model": model_path})
+    engine = AsyncLLM(**{**engine_args, "model": model_path}, engine_process=ns.engine_process)
     _stage_done(phases, "engine")
     if ns.chat_template is not None:   # read and parsed by `treadle serve` before the load
         engine.get_tokenizer().chat_template = ns.chat_template

@@ -1,0 +1,181 @@
+"""The engine core in a process of its own (`AsyncLLM(engine_process=True)`, `treadle serve
+--engine-process`): the same tokens as transformers, the RL controls and their errors across
+the process boundary, and a core process that dies ending every request with an error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+import urllib.request
+
+import openai
+import psutil
+import pytest
+import torch
+
+from tests.reference import HFReference
+from tests.test_server import MODEL, PROMPTS, Server, StreamReader, assert_error, spawned_by
+from treadle import AsyncLLM, SamplingParams
+from treadle.engine.errors import EngineBusyError
+from treadle.models.loader import load_tokenizer
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def run(engine: AsyncLLM, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
+    final = None
+    async for out in engine.generate({"prompt_token_ids": prompt}, greedy(max_tokens), request_id):
+        final = out
+    return final.outputs[0].token_ids
+
+
+def test_async_llm_in_a_process_matches_transformers_through_pause_keep_and_weight_updates(
+        llama, reference, original_weights):
+    """Under async scheduling: concurrent requests, a pause(keep) that drops the cache and the
+    running requests' KV, and a weight update with tensors that cross the process."""
+    ref = reference(llama)
+    prompts = [[5 + i, 17, 3 * i + 2, 40, 9] for i in range(4)]
+    changed = {name: t * 1.01 if name.endswith("mlp.down_proj.weight") else t
+               for name, t in original_weights.items()}
+
+    async def body(engine: AsyncLLM) -> None:
+        first = asyncio.gather(*(run(engine, p, 24, f"a{i}") for i, p in enumerate(prompts)))
+        await asyncio.sleep(0.3)
+        await engine.pause_generation(mode="keep", clear_cache=True)
+        assert await engine.is_paused()
+        await engine.resume_generation()
+        for p, tokens in zip(prompts, await first):
+            assert tokens == ref.greedy(p, 24)
+
+        # Refused while a request runs unpaused: the core's RuntimeError, as on the thread.
+        task = asyncio.create_task(run(engine, prompts[0], 200, "long"))
+        await asyncio.sleep(0.2)
+        with pytest.raises(RuntimeError, match="paused or idle"):
+            await engine.update_weights(list(changed.items()))
+        await task
+        with pytest.raises(ValueError, match="no_such"):
+            await engine.update_weights([("no_such.weight", torch.zeros(2))])
+        assert await engine.update_weights(list(changed.items()), weight_version="v2") > 0
+        assert await engine.get_weight_version() == "v2"
+        got = await run(engine, prompts[1], 16, "after")
+        assert got == HFReference(llama, list(changed.items())).greedy(prompts[1], 16)
+
+        # What cannot cross the process says so; what can comes back.
+        with pytest.raises(TypeError, match="cannot be sent to the engine core process"):
+            await engine.collective_rpc(lambda worker: 1)
+        stats = await engine.get_stats()
+        assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+        assert (await engine.get_engine_status())["running"] == []
+        await engine.pause_generation(mode="abort")
+        with pytest.raises(EngineBusyError):
+            await run(engine, prompts[0], 4, "refused")
+        await engine.resume_generation()
+
+    engine = AsyncLLM(llama, engine_process=True, async_scheduling=True, max_num_seqs=3,
+                      max_num_batched_tokens=16)
+    assert engine.core is None
+    try:
+        asyncio.run(body(engine))
+    finally:
+        engine.shutdown()
+
+
+def test_a_core_that_cannot_start_raises_its_own_error(llama, tmp_path):
+    """A checkpoint whose weights are cut short passes the frontend's checks (config.json) and
+    fails in the core process, as it loads them: the error comes back, and nothing stays."""
+    broken = tmp_path / "broken"
+    shutil.copytree(llama, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    with pytest.raises(ValueError, match="model.safetensors is not a valid safetensors file"):
+        AsyncLLM(str(broken), engine_process=True)
+    assert spawned_by(os.getpid()) == []
+
+
+# -- `treadle serve --engine-process`, its core with a worker process of its own ----------------
+@pytest.fixture(scope="module")
+def server(llama, tmp_path_factory):
+    srv = Server(llama, tmp_path_factory.mktemp("server"), "--engine-process",
+                 "--distributed-executor-backend", "mp")
+    yield srv
+    assert srv.stop() == 0, srv.log()   # with its core process killed by the last test, too
+
+
+def test_served_from_a_core_process_the_tokens_are_transformers(server, llama, reference):
+    tokenizer = load_tokenizer(llama)
+    client = server.client()
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].token_ids == reference(llama).greedy(ids, 16)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True}).choices[0].text
+
+
+def test_served_controls_cross_the_process(server, llama):
+    client = server.client()
+    reader = StreamReader(client, prompt=PROMPTS[0], max_tokens=200, temperature=0,
+                          extra_body={"ignore_eos": True})
+    reader.wait_for_chunks(2)
+    assert_error(*server.request("POST", "/update_weights_from_disk", {"path": llama}), 409)
+    assert server.request("POST", "/pause?mode=keep")[0] == 200
+    assert server.request("POST", "/resume")[0] == 200
+    assert reader.result()[1] == "length"
+    status, body = server.request("POST", "/update_weights_from_disk",
+                                  {"path": llama, "weight_version": "v2"})
+    assert status == 200 and body["num_tensors"] > 0, body
+    assert server.request("GET", "/weight_version") == (200, {"weight_version": "v2"})
+    assert server.request("POST", "/sleep?level=1")[0] == 200
+    assert server.request("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    assert server.request("POST", "/wake_up")[0] == 200
+    assert server.request("GET", "/is_sleeping") == (200, {"is_sleeping": False})
+    assert server.request("POST", "/reset_prefix_cache")[0] == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
+        assert b"treadle:" in r.read()
+    assert_error(*server.request("POST", "/v1/completions",
+                                 {"model": MODEL, "prompt": "x", "top_k": -7}), 400)
+
+
+def test_a_killed_core_process_ends_streams_and_health_with_an_error(server):
+    client = server.client()
+    reader = StreamReader(client, prompt=PROMPTS[1], max_tokens=200, temperature=0,
+                          extra_body={"ignore_eos": True})
+    reader.wait_for_chunks(2)
+    core = spawned_by(server.proc.pid)
+    assert len(core) == 1, core
+    workers = core[0].children()
+    assert workers, "the mp executor's worker runs under the core process"
+    os.kill(core[0].pid, signal.SIGKILL)
+    reader.join(30)
+    assert not reader.is_alive(), "the open stream hung on a dead engine"
+    assert reader.error is not None or reader.finish_reason not in ("length", None)
+    deadline = time.monotonic() + 10
+    while server.request("GET", "/health")[0] != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert e.value.status_code >= 500
+    psutil.wait_procs(workers, timeout=10)   # the worker follows its parent out
+    assert not any(w.is_running() for w in workers)
+
+
+def test_a_killed_server_takes_its_core_process_with_it(llama, tmp_path):
+    """SIGKILL runs no clean-up in the server: its core process sees itself orphaned and exits."""
+    srv = Server(llama, tmp_path)
+    core = spawned_by(srv.proc.pid)
+    assert len(core) == 1, core
+    srv.proc.kill()
+    srv.proc.wait(30)
+    gone, alive = psutil.wait_procs(core, timeout=15)
+    assert not alive, "the engine core process outlived its server"

@@ -23,6 +23,17 @@ from treadle.engine.errors import EngineBusyError
 from treadle.models.loader import load_tokenizer
 
 
+def _refuse() -> None:
+    raise RuntimeError("not built here")
+
+
+class Unreadable:
+    """Pickles in this process, and will not unpickle in any other."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -68,6 +79,8 @@ def test_async_llm_in_a_process_matches_transformers_through_pause_keep_and_weig
         # What cannot cross the process says so; what can comes back.
         with pytest.raises(TypeError, match="cannot be sent to the engine core process"):
             await engine.collective_rpc(lambda worker: 1)
+        with pytest.raises(TypeError, match="cannot read this call: not built here"):
+            await engine.collective_rpc("load_model", (Unreadable(),))
         stats = await engine.get_stats()
         assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
         assert (await engine.get_engine_status())["running"] == []

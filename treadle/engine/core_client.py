@@ -24,7 +24,7 @@ from typing import Any, Callable
 import zmq
 
 from treadle.config import TreadleConfig
-from treadle.engine.core_proc import WHEN_IDLE, engine_core_main
+from treadle.engine.core_proc import STOP, WHEN_IDLE, engine_core_main
 from treadle.engine.core_thread import ErrorCallback, OutputCallback
 from treadle.engine.errors import EngineDeadError
 
@@ -112,7 +112,7 @@ class EngineCoreProcess:
                 return
             self._stopping = True
             if self._proc.is_alive():   # a failed core's process still waits to be told
-                self._calls.send(pickle.dumps(None))
+                self._calls.send(STOP)
         self._proc.join(STOP_GRACE_S)
         self._receiver.join(STOP_GRACE_S)
         self._finalizer()   # kills it if it is still there, and removes the sockets' folder
@@ -131,14 +131,14 @@ class EngineCoreProcess:
                 return future
             call_id = next(self._call_ids)
             try:
-                data = pickle.dumps((call_id, fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+                data = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as e:   # a lambda, or an argument that cannot cross processes
                 future.set_exception(TypeError(
                     f"{getattr(fn, '__qualname__', fn)} cannot be sent to the engine core "
                     f"process: {e}"))
                 return future
             self._waiting[call_id] = future
-            self._calls.send(data)
+            self._calls.send_multipart([str(call_id).encode(), data])
         return future
 
     def _receive(self) -> None:

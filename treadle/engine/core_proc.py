@@ -9,11 +9,12 @@ Here the core steps on an EngineCoreThread, exactly as in the frontend's process
 process's main thread only passes calls to it and their results back.
 
 The wire, over ZeroMQ (ipc sockets in a folder of the frontend's), each message pickled:
-  frontend -> core (PUSH -> PULL):
-      (call_id, fn, args, kwargs): run fn(core, *args, **kwargs) between two steps; fn is an
-                                   EngineCore method or a function of engine/core_calls.py
-      (call_id, WHEN_IDLE, (), {}): reply once the core has no request and no step in flight
-      None: stop
+  frontend -> core (PUSH -> PULL), two frames: the call id (decimal text), then
+      (fn, args, kwargs): run fn(core, *args, **kwargs) between two steps; fn is an
+                          EngineCore method or a function of engine/core_calls.py
+      (WHEN_IDLE, (), {}): reply once the core has no request and no step in flight
+  or one frame, STOP. A call that will not unpickle here (a class only the frontend's
+  __main__ has) is answered with the error; the id comes apart from it for that.
   core -> frontend (PUSH -> PULL), in the order things happened here:
       ("outputs", outputs, weights)      a step's outputs and the weights that made them
       ("result", call_id, ok, value)     a call's result, or the exception it raised
@@ -42,6 +43,7 @@ from treadle.config import TreadleConfig
 logger = logging.getLogger(__name__)
 
 WHEN_IDLE = "when_idle"
+STOP = b"stop"
 FAILURE_POLL_S = 0.2   # how often EngineCore.failure() is read for the frontend's health checks
 
 
@@ -124,10 +126,16 @@ def _serve(core: Any, calls: zmq.Socket, send: Callable[[tuple], None]) -> None:
     next_check = 0.0
     while True:
         if calls.poll(int(FAILURE_POLL_S * 1000)):
-            message = pickle.loads(calls.recv())
-            if message is None:
+            frames = calls.recv_multipart()
+            if frames == [STOP]:
                 return
-            call_id, fn, args, kwargs = message
+            call_id = int(frames[0])
+            try:
+                fn, args, kwargs = pickle.loads(frames[1])
+            except Exception as e:
+                send(("result", call_id, False,
+                      TypeError(f"the engine core process cannot read this call: {e}")))
+                continue
             if fn == WHEN_IDLE:   # no outputs can follow: the order of its reply is free
                 core.when_idle().add_done_callback(functools.partial(_reply, send, call_id))
             else:

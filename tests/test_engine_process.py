@@ -192,3 +192,22 @@ def test_a_killed_server_takes_its_core_process_with_it(llama, tmp_path):
     srv.proc.wait(30)
     gone, alive = psutil.wait_procs(core, timeout=15)
     assert not alive, "the engine core process outlived its server"
+
+
+def test_sigterm_to_the_server_and_its_core_at_once_still_lets_streams_finish(llama, tmp_path):
+    """As `timeout` or systemd signal a whole process group: the core process leaves its end to
+    the server, which lets the open stream finish within --shutdown-timeout and exits 0."""
+    srv = Server(llama, tmp_path, "--shutdown-timeout", "30")
+    try:
+        [core] = spawned_by(srv.proc.pid)
+        reader = StreamReader(srv.client(), prompt=PROMPTS[1], max_tokens=200, temperature=0,
+                              extra_body={"ignore_eos": True})
+        reader.wait_for_chunks(3)
+        os.kill(core.pid, signal.SIGTERM)
+        srv.proc.send_signal(signal.SIGTERM)
+        _, finish = reader.result()
+        assert finish == "length"
+    finally:
+        assert srv.stop(60) == 0, srv.log()
+    psutil.wait_procs([core], timeout=15)
+    assert not core.is_running()

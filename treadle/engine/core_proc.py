@@ -68,8 +68,11 @@ def dumps(message: tuple) -> bytes:
 def engine_core_main(config: TreadleConfig, in_address: str, out_address: str,
                      parent_pid: int) -> None:
     """Entry point of the spawned engine core process."""
-    # Ctrl-C reaches the whole process group: the frontend stops this process itself.
+    # Ctrl-C, and a SIGTERM sent to the whole process group (timeout, systemd), reach this
+    # process too: the frontend stops it, after letting open requests finish as the server's
+    # --shutdown-timeout says. It exits on its own if the frontend is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from treadle.executor.mp_worker import exit_with_parent
     exit_with_parent(parent_pid, os.path.dirname(in_address.removeprefix("ipc://")))
     logging.basicConfig(level=logging.INFO,

@@ -10,7 +10,9 @@ ready for a new group. Over HTTP, a real `treadle serve` with the API key.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import time
 from typing import Any
 
@@ -21,7 +23,7 @@ from tests.reference import HFReference
 from tests.test_correctness import TEXTS
 from tests.test_server import MODEL, Server, StreamReader, assert_error
 from tests.weight_trainer import Trainer, perturbed
-from treadle import LLM, EngineArgs, SamplingParams
+from treadle import LLM, AsyncLLM, EngineArgs, SamplingParams
 from treadle.engine.weight_transfer import WeightTransferError
 from treadle.engine.weights import ServedWeights
 from treadle.models.loader import default_model_path, iter_hf_weights, load_tokenizer
@@ -107,6 +109,55 @@ def test_bad_config_names_the_field(llama, spec, message):
 
 
 # -- one worker --------------------------------------------------------------------------------------
+def test_requests_run_while_the_workers_wait_for_the_trainer(llama, reference, prompts,
+                                                             original_weights, trainer_for):
+    """The workers join the trainer's group on threads of their own. A trainer that never comes
+    ends init_weight_transfer_engine with an error at its timeout, and a request sent meanwhile
+    runs to its end, exactly, long before: the join once held the engine's thread for the whole
+    timeout. Then a real trainer's group and round, all through AsyncLLM (the server's path)."""
+    with socket.socket() as s:   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ref = reference(llama)
+
+    async def body(engine: AsyncLLM) -> None:
+        start = time.monotonic()
+        joining = asyncio.create_task(engine.init_weight_transfer_engine({"init_info": {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "timeout": 8}}))
+        await asyncio.sleep(0.2)
+        final = None
+        async for out in engine.generate({"prompt_token_ids": prompts[0]}, greedy(40), "r"):
+            final = out
+        assert final.outputs[0].token_ids == ref.greedy(prompts[0], 40)
+        assert not joining.done(), f"the request waited for the join ({time.monotonic() - start:.1f} s)"
+        with pytest.raises(WeightTransferError, match=f"could not join the trainer's group at 127.0.0.1:{port}"):
+            await joining
+        with pytest.raises(RuntimeError, match="call init_weight_transfer_engine first"):
+            await engine.start_weight_update()
+
+        trainer = trainer_for(llama, 1)
+        await engine.init_weight_transfer_engine({"init_info": trainer.call("group", 60)})
+        assert trainer.call() == "connected"
+        await engine.start_weight_update()
+        info = trainer.call("send", 7, torch.float32, None, False, "send")
+        assert await engine.update_weights({"update_info": info}) == len(trainer.names)
+        assert trainer.call() == ("sent", len(trainer.names))
+        assert await engine.finish_weight_update("sent") == len(trainer.names)
+        final = None
+        async for out in engine.generate({"prompt_token_ids": prompts[1]}, greedy(), "after"):
+            final = out
+        sent = HFReference(llama, as_served(perturbed(original_weights, 7)))
+        assert final.outputs[0].token_ids == sent.greedy(prompts[1], MAX_TOKENS)
+        assert final.weight_version == "sent"
+
+    engine = AsyncLLM(llama, weight_transfer_config=GLOO, **ENGINE_ARGS)
+    try:
+        asyncio.run(body(engine))
+    finally:
+        engine.shutdown()
+
+
 def test_one_worker(llama, reference, prompts, original_weights, trainer_for):
     """Without the config each call says how to enable it. With it: unpacked, packed in bf16
     over two update calls, and the trainer broadcasting by itself; each output equals

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+JOIN_POLL_S = 0.02   # how often a weight-transfer join is asked how it stands
+
 
 class AsyncLLM:
     """`AsyncLLM(model=None, engine_process=False, **engine_args)`; with no model, the embedded
@@ -316,6 +318,9 @@ class AsyncLLM:
         """Join the trainer's group: {"init_info": {master_address, master_port, rank_offset,
         world_size}} (treadle/distributed/weight_transfer.py)."""
         await self._call(EngineCore.init_weight_transfer_engine, request)
+        # The workers join on threads of their own: requests keep running meanwhile.
+        while not await self._call(EngineCore.weight_transfer_joined):
+            await asyncio.sleep(JOIN_POLL_S)
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         await self._call(EngineCore.start_weight_update, is_checkpoint_format)

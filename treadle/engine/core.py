@@ -397,8 +397,13 @@ class EngineCore:
 
     # -- weights from a trainer process (engine/weight_transfer.py) -------------------------
     def init_weight_transfer_engine(self, request: Any) -> None:
-        """Every worker joins the trainer's group: {"init_info": {...}} or init_info itself."""
+        """Every worker starts joining the trainer's group ({"init_info": {...}} or init_info
+        itself), on a thread of its own: steps go on. weight_transfer_joined() says when done."""
         self.weight_transfer.init(self.executor, request)
+
+    def weight_transfer_joined(self) -> bool:
+        """Whether every worker has joined; raises if one could not (the trainer never came)."""
+        return self.weight_transfer.joined(self.executor)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         self._check_transfer_quiet("start_weight_update")

@@ -142,6 +142,8 @@ class LLM:
         """Join the trainer's group: {"init_info": {master_address, master_port, rank_offset,
         world_size}} (treadle/distributed/weight_transfer.py)."""
         self.engine.core.init_weight_transfer_engine(request)
+        while not self.engine.core.weight_transfer_joined():
+            time.sleep(0.02)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         self.engine.core.start_weight_update(is_checkpoint_format)

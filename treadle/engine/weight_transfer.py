@@ -4,6 +4,10 @@ driven across every rank. The protocol: treadle/distributed/weight_transfer.py; 
 treadle/worker/weight_transfer.py.
 
 The rules:
+  - Over gloo each worker joins the trainer's group on a thread of its own, so that steps go
+    on while the trainer comes (or never does, until the timeout); the engine's `init` starts
+    the joins and `joined` polls them, and a round needs every rank joined. (NCCL's join holds
+    the worker: worker/weight_transfer.py says why.)
   - An update_info is checked by every rank against its part of the model before any rank
     joins the broadcast. A refused one changes nothing, but the trainer may already be sending
     into the group, so the round and the group are dropped: the trainer's broadcast then fails
@@ -17,7 +21,7 @@ The rules:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from treadle.config import WeightTransferConfig
 from treadle.distributed.weight_transfer import InitInfo, UpdateInfo
@@ -68,6 +72,9 @@ class WeightTransfer:
     def __init__(self, config: WeightTransferConfig | None) -> None:
         self.config = config
         self._executor: Executor | None = None   # whose workers joined the group
+        # Whose workers are joining it, and where: the join runs on a thread of each worker's
+        # so that steps go on meanwhile; `joined` asks how it stands.
+        self._joining: tuple[Executor, InitInfo] | None = None
         self._round_open = False
         self._round_version: Any = None   # a weight_version given during the round
 
@@ -78,19 +85,45 @@ class WeightTransfer:
             raise ValueError(f"init_info.world_size {info.world_size} is too small for rank_offset "
                              f"{info.rank_offset} and this engine's {executor.world_size} workers")
         # Each worker leaves an earlier group (or its remains) before it joins the new one.
-        self._executor, self._round_open = None, False
+        self._executor, self._round_open, self._joining = None, False, None
         try:
             executor.collective_rpc("init_weight_transfer_engine", (init_info_of(request),))
         except EngineDeadError:
             raise
-        except ValueError:
-            self._drop(executor, close_group=True)
+        except Exception as e:
+            self._failed_join(executor, info, e)
+        self._joining = executor, info
+
+    def joined(self, executor: Executor) -> bool:
+        """After init: False while a worker is still joining the trainer's group, True once
+        every one has; raises WeightTransferError (ValueError for a refused init_info) if any
+        could not, after every rank has left the group."""
+        if self._joining is None:
+            self._check_group(executor)
+            return True
+        joining, info = self._joining
+        if joining is not executor:
+            self._joining = None
+            raise WeightTransferError(f"the workers were restarted while they joined the "
+                                      f"trainer's group: {INIT_AGAIN}")
+        try:
+            states = executor.collective_rpc("weight_transfer_joined")
+        except EngineDeadError:
             raise
         except Exception as e:
-            self._drop(executor, close_group=True)
-            raise WeightTransferError(f"could not join the trainer's group at "
-                                      f"{info.master_address}:{info.master_port}: {e}") from e
-        self._executor = executor
+            self._joining = None
+            self._failed_join(executor, info, e)
+        if not all(states):
+            return False
+        self._executor, self._joining = executor, None
+        return True
+
+    def _failed_join(self, executor: Executor, info: InitInfo, error: Exception) -> NoReturn:
+        self._drop(executor, close_group=True)
+        if isinstance(error, ValueError):
+            raise error
+        raise WeightTransferError(f"could not join the trainer's group at "
+                                  f"{info.master_address}:{info.master_port}: {error}") from error
 
     def start(self, executor: Executor, is_checkpoint_format: bool = True) -> None:
         self._check_group(executor)
@@ -156,7 +189,7 @@ class WeightTransfer:
         """Every rank forgets the round (and the group); never raises but for a dead engine."""
         self._round_open = False
         if close_group:
-            self._executor = None
+            self._executor = self._joining = None
         try:
             executor.collective_rpc("abort_weight_update", (close_group,))
         except EngineDeadError:
@@ -170,6 +203,9 @@ class WeightTransfer:
 
     def _check_group(self, executor: Executor) -> None:
         self._check_enabled()
+        if self._joining is not None:
+            raise RuntimeError("the workers are still joining the trainer's group: wait for "
+                               "init_weight_transfer_engine to return")
         if self._executor is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer_engine first")
         if self._executor is not executor:

@@ -10,6 +10,7 @@ engine chains into the weights' identity (engine/weights.py).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -35,31 +36,87 @@ class WeightReceiver:
         self.staged: list[tuple[str, torch.Tensor | None]] = []
         self.received: list[tuple[str, tuple[int, ...]]] = []
         self.digest: Any = None   # of the round's tensors so far, on rank 0
+        # A gloo join runs on a thread of its own, so that steps go on while the trainer comes
+        # (or never does, until the timeout): `joined()` says how it went. (NCCL's: `init`.)
+        self._lock = threading.Lock()
+        self._joining: threading.Thread | None = None
+        self._join_error: BaseException | None = None
+        self._join_id = 0   # the current join's; a join whose id has moved on was given up
 
     def init(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's group as rank rank_offset + this worker's rank (a new group
-        replaces any earlier one)."""
+        """Start joining the trainer's group as rank rank_offset + this worker's rank (a new
+        group replaces any earlier one); `joined()` reports when it is done."""
         if self.config is None:
             raise RuntimeError("weight transfer is not enabled: start the engine with "
                                "weight_transfer_config={'backend': 'gloo'}")
-        self.abort(close_group=True)
         info = InitInfo.parse(init_info)
         rank = info.rank_offset + self.ctx.rank
         if rank >= info.world_size:
             raise ValueError(f"init_info.world_size {info.world_size} has no rank {rank} for "
                              f"worker {self.ctx.rank} (rank_offset {info.rank_offset})")
+        with self._lock:
+            if self._joining is not None and self._joining.is_alive():
+                raise RuntimeError("a join of the trainer's group is under way: wait for "
+                                   "init_weight_transfer_engine to return, or its timeout")
+        self.abort(close_group=True)
         # gloo stages on the host whatever the device; NCCL receives on the worker's GPU.
         device = self.runner.device if self.config.backend == "nccl" else torch.device("cpu")
-        group = TransferGroup(self.config.backend, info.master_address, info.master_port, rank,
-                              info.world_size, info.timeout or self.config.timeout_s, device)
+        with self._lock:
+            self._join_id += 1
+            self._join_error = None
+            args = (self._join_id, info, rank, info.timeout or self.config.timeout_s, device)
+            if self.config.backend != "nccl":
+                self._joining = threading.Thread(target=self._join, args=args, daemon=True,
+                                                 name="treadle-weight-transfer-join")
+                self._joining.start()
+                return
+        # NCCL's set-up waits on CUDA streams, which would break a CUDA graph that wake_up
+        # captured on this worker meanwhile: it joins here, holding the worker, as before.
+        self._join(*args)
+        with self._lock:
+            error, self._join_error = self._join_error, None
+        if error is not None:
+            raise error
+
+    def _join(self, join_id: int, info: InitInfo, rank: int, timeout_s: float,
+              device: torch.device) -> None:
+        group: TransferGroup | None = None
         try:
+            group = TransferGroup(self.config.backend, info.master_address, info.master_port,
+                                  rank, info.world_size, timeout_s, device)
             group.connect()
-        except BaseException:
+        except BaseException as e:
+            if group is not None:
+                group.close()
+            with self._lock:
+                if join_id == self._join_id:
+                    self._join_error = e
+            return
+        with self._lock:
+            given_up = join_id != self._join_id   # by abort(close_group) while it ran
+            if not given_up:
+                self.group = group
+        if given_up:
             group.close()
-            raise
-        self.group = group
+            return
         logger.info("weight transfer: joined %s:%d as rank %d of %d (%s)", info.master_address,
                     info.master_port, rank, info.world_size, self.config.backend)
+
+    def joined(self) -> bool:
+        """False while the join started by `init` runs; True once it has joined; raises what
+        made it fail, once."""
+        with self._lock:
+            if self._joining is None:
+                if self.group is None:
+                    raise RuntimeError("no weight transfer group: call "
+                                       "init_weight_transfer_engine first")
+                return True
+            if self._joining.is_alive():
+                return False
+            self._joining, error, self._join_error = None, self._join_error, None
+        if error is not None:
+            raise error
+        return self.group is not None
 
     def start(self) -> None:
         self.staged, self.received = [], []
@@ -150,11 +207,18 @@ class WeightReceiver:
         return count, digest.hexdigest() if digest is not None else None
 
     def abort(self, close_group: bool) -> None:
-        """Drop the staged tensors, and with close_group the group too."""
+        """Drop the staged tensors, and with close_group the group too (one still being joined
+        is closed as its join ends)."""
         self.staged, self.received, self.digest = [], [], None
-        if close_group and self.group is not None:
-            self.group.close()
-            self.group = None
+        if not close_group:
+            return
+        with self._lock:
+            group, self.group = self.group, None
+            if self._joining is not None:
+                self._join_id += 1   # its outcome is nobody's now: it closes what it joins
+                self._joining = None
+        if group is not None:
+            group.close()
 
 
 def _own(piece: torch.Tensor) -> torch.Tensor:

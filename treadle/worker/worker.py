@@ -97,6 +97,9 @@ class Worker:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.weight_receiver.init(init_info)
 
+    def weight_transfer_joined(self) -> bool:
+        return self.weight_receiver.joined()
+
     def start_weight_update(self) -> None:
         self.weight_receiver.start()
 

@@ -8,7 +8,9 @@ import asyncio
 import os
 import shutil
 import signal
+import threading
 import time
+from concurrent.futures import Future
 import urllib.request
 
 import openai
@@ -18,7 +20,9 @@ import torch
 
 from tests.reference import HFReference
 from tests.test_server import MODEL, PROMPTS, Server, StreamReader, assert_error, spawned_by
-from treadle import AsyncLLM, SamplingParams
+from treadle import AsyncLLM, EngineArgs, SamplingParams
+from treadle.engine.core import EngineCore
+from treadle.engine.core_client import EngineCoreProcess
 from treadle.engine.errors import EngineBusyError
 from treadle.models.loader import load_tokenizer
 
@@ -108,6 +112,34 @@ def test_a_core_that_cannot_start_raises_its_own_error(llama, tmp_path):
     with pytest.raises(ValueError, match="model.safetensors is not a valid safetensors file"):
         AsyncLLM(str(broken), engine_process=True)
     assert spawned_by(os.getpid()) == []
+
+
+def test_calls_sent_as_the_core_process_dies_fail_and_never_block(llama):
+    """Calls keep coming (requests, aborts, /metrics) as the process is killed: a call sent
+    before the death is seen once went into a ZeroMQ PUSH with no peer left, which waits for
+    good, holding the lock the receiving thread needed to fail it: the server hung."""
+    config = EngineArgs(model=llama, max_model_len=256, num_kv_blocks=24).create_config()
+    core = EngineCoreProcess(config, lambda outputs, weights: None, lambda exc: None)
+    try:
+        core.call(EngineCore.get_stats).result(30)
+        calls: list[Future] = []
+
+        def caller() -> None:
+            while core.failure() is None:
+                calls.append(core.call(EngineCore.get_stats))
+
+        thread = threading.Thread(target=caller, daemon=True)
+        thread.start()
+        time.sleep(0.2)
+        os.kill(core._proc.pid, signal.SIGKILL)
+        thread.join(10)
+        assert not thread.is_alive(), "a call blocked on the dead process"
+        assert "exited with code -9" in str(core.failure())
+        for call in calls:   # each answered before the death, or failed with it
+            assert call.done() or call.exception(10) is not None
+    finally:
+        if not core._send_lock.locked():   # else stop() would block on it too
+            core.stop()
 
 
 # -- `treadle serve --engine-process`, its core with a worker process of its own ----------------

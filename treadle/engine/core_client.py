@@ -38,7 +38,8 @@ class EngineCoreProcess:
                  on_error: ErrorCallback) -> None:
         """Spawns the process and waits until its core is built; raises what building it raised."""
         self._on_outputs, self._on_error = on_outputs, on_error
-        self._lock = threading.Lock()   # the call socket, the waiting calls, the state below
+        self._lock = threading.Lock()   # the waiting calls and the state below
+        self._send_lock = threading.Lock()   # the call socket
         self._waiting: dict[int, Future] = {}
         self._call_ids = itertools.count(1)
         self._failure: BaseException | None = None   # what killed the core, if anything did
@@ -111,8 +112,7 @@ class EngineCoreProcess:
             if self._stopping:
                 return
             self._stopping = True
-            if self._proc.is_alive():   # a failed core's process still waits to be told
-                self._calls.send(STOP)
+        self._push([STOP])   # a failed core's process, too, waits to be told
         self._proc.join(STOP_GRACE_S)
         self._receiver.join(STOP_GRACE_S)
         self._finalizer()   # kills it if it is still there, and removes the sockets' folder
@@ -138,8 +138,21 @@ class EngineCoreProcess:
                     f"process: {e}"))
                 return future
             self._waiting[call_id] = future
-            self._calls.send_multipart([str(call_id).encode(), data])
+        self._push([str(call_id).encode(), data])
         return future
+
+    def _push(self, frames: list[bytes]) -> None:
+        """Send, unless the process is gone: a PUSH with no peer would wait for good, and the
+        receiving thread then fails the call with every other one waiting."""
+        with self._send_lock:
+            while True:
+                try:
+                    self._calls.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    if not self._proc.is_alive():
+                        return
+                    self._calls.poll(100, zmq.POLLOUT)
 
     def _receive(self) -> None:
         try:

@@ -243,3 +243,31 @@ def test_sigterm_to_the_server_and_its_core_at_once_still_lets_streams_finish(ll
         assert srv.stop(60) == 0, srv.log()
     psutil.wait_procs([core], timeout=15)
     assert not core.is_running()
+
+
+def test_a_long_tmpdir_moves_the_sockets_to_tmp(llama, tmp_path, reference):
+    """An AF_UNIX path holds 107 bytes: under a TMPDIR of 100 characters the core process's
+    sockets, and its mp worker's, once failed to bind and the server never started."""
+    long_tmp = tmp_path / ("t" * max(1, 100 - len(str(tmp_path)) - 1))
+    long_tmp.mkdir()
+    assert len(str(long_tmp)) >= 100
+    srv = Server(llama, tmp_path, "--distributed-executor-backend", "mp",
+                 env={"TMPDIR": str(long_tmp)})
+    try:
+        prompt = [5, 17, 2, 40, 9]
+        out = srv.client().completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].token_ids == reference(llama).greedy(prompt, 8)
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert srv.log_path.read_text().count("too long for ipc socket paths") == 2, srv.log()   # core, worker
+
+
+def test_a_temporary_folder_too_long_everywhere_is_a_clear_error(monkeypatch, tmp_path):
+    from treadle.executor import ipc
+
+    monkeypatch.setattr(ipc.tempfile, "tempdir", str(tmp_path / ("x" * 120)))
+    monkeypatch.setattr(ipc, "FALLBACK_DIR", str(tmp_path / ("y" * 120)))
+    with pytest.raises(OSError, match="too long for a socket path .* set TMPDIR"):
+        ipc.socket_folder("treadle-core-")

@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import tempfile
 import threading
 import weakref
 from concurrent.futures import Future
@@ -27,6 +26,7 @@ from treadle.config import TreadleConfig
 from treadle.engine.core_proc import STOP, WHEN_IDLE, engine_core_main
 from treadle.engine.core_thread import ErrorCallback, OutputCallback
 from treadle.engine.errors import EngineDeadError
+from treadle.executor.ipc import socket_folder
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class EngineCoreProcess:
         self._failure: BaseException | None = None   # what killed the core, if anything did
         self._worker_failure: str | None = None
         self._stopping = False
-        self._ipc_dir = tempfile.mkdtemp(prefix="treadle-core-")
+        self._ipc_dir = socket_folder("treadle-core-")
         self._zmq = zmq.Context()
         self._calls = self._zmq.socket(zmq.PUSH)
         self._calls.setsockopt(zmq.LINGER, 0)

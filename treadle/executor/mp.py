@@ -23,7 +23,6 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
-import tempfile
 import time
 import weakref
 from typing import Any, Callable
@@ -35,6 +34,7 @@ from treadle.config import TreadleConfig
 from treadle.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed.parallel_state import INIT_TIMEOUT, output_rank
 from treadle.executor.base import Executor
+from treadle.executor.ipc import socket_folder
 from treadle.executor.mp_worker import FINISH_STEP, SHUTDOWN, allow_deferred_steps, dumps, worker_main
 from treadle.structured_output.params import StructuredOutputsParams
 
@@ -73,7 +73,7 @@ class MultiprocExecutor(Executor):
         self._zmq = zmq.Context()
         self._sock = self._zmq.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._ipc_dir = tempfile.mkdtemp(prefix="treadle-rpc-")
+        self._ipc_dir = socket_folder("treadle-rpc-")
         self._sock.bind(f"ipc://{self._ipc_dir}/engine")
         self.procs: list[multiprocessing.Process] = []
         # An executor never shut down (its engine dropped, or the interpreter exiting) still

@@ -82,6 +82,25 @@ def test_a_compile_past_its_timeout_ends_its_request_and_holds_up_no_other(backe
     gate.shutdown()
 
 
+def test_the_backends_build_counts_against_no_requests_timeout(backend):
+    """Building the backend (the tokenizer's vocabulary read, once per process) took llguidance
+    more than the 10 s default on a loaded 2-core machine, and the first requests ended with an
+    error: a deadline now starts no earlier than the backend is ready."""
+    def build_slowly() -> GrammarBackend:
+        time.sleep(1.0)
+        return backend
+
+    gate = GrammarGate(build_slowly, timeout_s=0.5, max_compiles=2)
+    gate.hold(_request("first", quick_regex()))
+    gate.hold(_request("second", quick_regex()))
+    ready, failed = _take(gate, 2)
+    assert sorted(r.request_id for r in ready) == ["first", "second"] and not failed
+    gate.hold(_request("slow", {"json": slow_schema()}))   # the backend at hand: timed as ever
+    _, failed = _take(gate, 1)
+    assert [(r.request_id, "not compiled within 0.5 s" in m) for r, m in failed] == [("slow", True)]
+    gate.shutdown()
+
+
 def test_dropped_requests_compiles_hold_up_no_later_one(backend, caplog):
     """One compile at a time: `a` runs, `q` waits its turn, then both are dropped. `q` never
     starts, and `r` compiles while `a` still runs."""

@@ -6,6 +6,11 @@ done, the request goes to the scheduler, or ends with finish_reason "error" and 
 compile not done within the timeout (`structured_outputs_config.compilation_timeout_s`) ends
 its request, and one still waiting for a thread when its request is dropped never starts.
 
+The backend's own build, once per process (reading the tokenizer's vocabulary: seconds, more
+on a loaded machine), is no request's compile: a deadline never falls before the backend has
+been ready for the whole timeout. (The first guidance request on a busy 2-core machine once
+timed out on the build alone.)
+
 A running compile cannot be stopped (the grammar engine's C++ runs to its end), so one that
 outlives its request (aborted, or timed out) is abandoned: it runs on, its result unused, and no
 longer counts against `max_compiles`, so it holds up no later request. Abandoned compiles still
@@ -55,6 +60,9 @@ class GrammarGate:
         self._deadlines: list[tuple[float, int, concurrent.futures.Future, str]] = []   # a heap
         self._order = itertools.count()   # breaks ties between equal deadlines
         self._deadline_changed = threading.Condition(self._lock)
+        self._backend_ready_at: float | None = None   # when the backend was first at hand
+        self._parked: list[tuple[int, concurrent.futures.Future, str]] = []   # past their
+        # deadline while the backend was still being built: they get timeout_s from its end
         self._watch: threading.Thread | None = None
         self._closed = False
         # Called when a compile ends (any thread): the engine thread may be asleep.
@@ -93,8 +101,22 @@ class GrammarGate:
             future.set_running_or_notify_cancel()
             self._counted.add(future)
             self._num_threads += 1
-            compile_on_thread(self._get_backend, params, f"treadle-grammar-{request_id}",
+            compile_on_thread(self._backend, params, f"treadle-grammar-{request_id}",
                               functools.partial(self._compiled, future))
+
+    def _backend(self) -> GrammarBackend:
+        """The backend (on a compile thread); the first time, the deadlines parked while it
+        was built start counting again, from now."""
+        backend = self._get_backend()
+        with self._lock:
+            if self._backend_ready_at is None:
+                self._backend_ready_at = now = time.monotonic()
+                for order, future, request_id in self._parked:
+                    heapq.heappush(self._deadlines,
+                                   (now + self._timeout_s, order, future, request_id))
+                self._parked.clear()
+                self._deadline_changed.notify()
+        return backend
 
     def _compiled(self, future: concurrent.futures.Future, compiled: object,
                   error: Exception | None) -> None:
@@ -116,8 +138,16 @@ class GrammarGate:
             while not self._closed:
                 now = time.monotonic()
                 while self._deadlines and self._deadlines[0][0] <= now:
-                    _, _, future, request_id = heapq.heappop(self._deadlines)
-                    if not future.done():
+                    deadline, order, future, request_id = heapq.heappop(self._deadlines)
+                    ready = self._backend_ready_at
+                    if future.done():
+                        continue
+                    if ready is None:   # still building the backend: not the compile's time
+                        self._parked.append((order, future, request_id))
+                    elif ready + self._timeout_s > deadline:   # it arrived before the backend
+                        heapq.heappush(self._deadlines,
+                                       (ready + self._timeout_s, order, future, request_id))
+                    else:
                         self._time_out(future, request_id)
                 self._deadline_changed.wait(self._deadlines[0][0] - now if self._deadlines else None)
 

@@ -84,6 +84,11 @@ class WeightTransfer:
         if info.rank_offset + executor.world_size > info.world_size:
             raise ValueError(f"init_info.world_size {info.world_size} is too small for rank_offset "
                              f"{info.rank_offset} and this engine's {executor.world_size} workers")
+        if self._joining is not None and not self._earlier_join_ended(executor):
+            # Its caller still waits on it: a retry must not give it up (a 409, not a 502).
+            raise RuntimeError("a join of the trainer's group is under way: wait for the "
+                               "init_weight_transfer_engine call before to return, or its "
+                               "timeout")
         # Each worker leaves an earlier group (or its remains) before it joins the new one.
         self._executor, self._round_open, self._joining = None, False, None
         try:
@@ -117,6 +122,17 @@ class WeightTransfer:
             return False
         self._executor, self._joining = executor, None
         return True
+
+    def _earlier_join_ended(self, executor: Executor) -> bool:
+        """Whether the join an earlier init started is over (its caller may have stopped
+        asking: a client gone); a failure of it is its caller's to hear, if it still asks."""
+        try:
+            return self.joined(executor)
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            logger.info("init_weight_transfer_engine: the join before it had failed: %s", e)
+            return True
 
     def _failed_join(self, executor: Executor, info: InitInfo, error: Exception) -> NoReturn:
         self._drop(executor, close_group=True)

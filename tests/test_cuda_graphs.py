@@ -13,6 +13,7 @@ import torch
 
 from tests.gpu import shared_gpu
 from treadle import LLM
+from treadle.attention.triton_backend import TritonBackend
 from treadle.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from treadle.worker.mixed_graphs import MAX_MIXED_TOKENS, mixed_sizes
 
@@ -24,8 +25,10 @@ class Recorder(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(2))
         self.seen: list[dict] = []
+        self.splits: list[int] = []
 
     def forward(self, input_ids, positions, kv_caches, meta):
+        self.splits.append(meta.num_kv_splits)
         self.seen.append({"ids": input_ids.tolist(), "positions": positions.tolist(),
                           "slots": meta.slot_mapping.tolist(), "seq_lens": meta.seq_lens.tolist(),
                           "table": meta.block_table.tolist(), "starts": meta.query_start.tolist()})
@@ -92,6 +95,38 @@ def test_padding_rows_write_nothing_and_read_the_null_block():
                       "starts": [0, 1, 2, 3, 4]}
     assert graphs.padded_size(5) == 8 and graphs.padded_size(9) is None
     assert graphs.num_steps == 2
+
+
+def ranges(seq_lens: np.ndarray, num_splits: int, min_tokens: int) -> list[int]:
+    """The key ranges each sequence takes (triton_decode.py's rule)."""
+    return np.minimum(np.maximum(seq_lens // min_tokens, 1), num_splits).tolist()
+
+
+@pytest.mark.parametrize("max_batch", [40, 20])
+def test_a_padded_step_cuts_every_sequence_as_an_eager_step_would(max_batch):
+    """A step of n decodes replays the graph of its padded size: its split count must give each
+    sequence the key ranges an eager step of n gives it, so that the sums run in one order.
+    (Before, 5 decodes padded to 8 took 8 ranges a sequence where eagerly they took 12.)"""
+    backend = TritonBackend(torch.device("cpu"), 16)
+    model = Recorder()
+    graphs = DecodeGraphs(model, [], max_batch=max_batch, max_blocks=80, device=torch.device("cpu"),
+                          capture=False, backend=backend)
+    rng = np.random.default_rng(0)
+    split_steps = 0
+    for n in range(1, max_batch + 1):
+        seq_lens = rng.integers(2, 1200, n)   # a decode has a token before it
+        seq_lens[0] = 1200   # one long enough to split at every count
+        ctx, q_lens = seq_lens - 1, np.ones(n, np.int64)
+        table = np.zeros((n, 80), np.int64)
+        eager = backend.build_metadata(q_lens, ctx, ctx, table).num_kv_splits
+        graphs.run(np.zeros(n, np.int64), ctx, np.full(n, -1), seq_lens, table)
+        replayed = model.splits[-1]
+        assert (replayed > 1) == (eager > 1), n
+        if eager > 1:
+            split_steps += 1
+            assert (ranges(seq_lens, replayed, backend.split_min_tokens)
+                    == ranges(seq_lens, eager, backend.split_min_tokens)), n
+    assert split_steps == min(max_batch, backend.split_max_decodes)
 
 
 def test_graphs_go_stale_when_their_tensors_move():

@@ -413,6 +413,8 @@ def test_the_split_count_follows_the_batch_as_measured():
     32, none past 32; a step's longest sequence takes one range per 32 keys, at least one."""
     backend = TritonBackend(CPU, BLOCK_SIZE)
     assert [backend.batch_splits(n) for n in (0, 1, 4, 16, 24, 32, 33)] == [1, 16, 16, 4, 2, 2, 1]
+    # Between them, the count of the next power of two: a CUDA graph's padded size's count.
+    assert [backend.batch_splits(n) for n in (3, 5, 8, 9, 15, 17)] == [16, 8, 8, 4, 4, 2]
     assert backend.kv_splits(np.full(4, 4096)) == 16 and backend.kv_splits(np.full(16, 1000)) == 4
     assert backend.kv_splits(np.array([100, 5])) == 3 and backend.kv_splits(np.array([63])) == 1
     assert backend.kv_splits(np.full(33, 4096)) == 1 and backend.kv_splits(np.zeros(0)) == 1

@@ -152,7 +152,11 @@ class TritonBackend(AttentionBackend):
 
     def batch_splits(self, num_decodes: int) -> int:
         """The most ranges a step of this many decodes cuts each into (1: none split); each
-        sequence takes fewer where it is short (triton_decode.py)."""
+        sequence takes fewer where it is short (triton_decode.py). The same for every count up
+        to the next power of two, so that a CUDA graph captured at a padded size (every power
+        of two up to 8, then multiples of 8) sums each decode's keys in the order an eager
+        step of its unpadded count would."""
         if not 0 < num_decodes <= self.split_max_decodes:
             return 1
-        return max(1, min(self.max_kv_splits, self.split_target_ranges // num_decodes))
+        bucket = 1 << (num_decodes - 1).bit_length()
+        return max(1, min(self.max_kv_splits, self.split_target_ranges // bucket))

@@ -14,10 +14,9 @@ Where the backend would cut a step's decodes into key ranges (the split-KV path,
 sequences), the step replays a second graph of its size, captured with the backend's largest
 split count for that size: each sequence takes its ranges from its own length on the device
 (attention/triton_decode.py), so one graph serves every length, and the host only picks which
-graph to replay. The count is the padded size's, so a step of n decodes between two captured
-sizes (5-7, 9-15, 17-21) may cut its sequences into fewer ranges than an eager step of n
-would: the same attention, summed in another order. (A change to the backend's split settings
-takes a recapture.)
+graph to replay. The count is the padded size's, which the backend keeps equal to that of
+the step's own count (`TritonBackend.batch_splits`), so a replay sums each sequence's keys in
+the order an eager step would. (A change to the backend's split settings takes a recapture.)
 Mixed steps (prefill chunks, drafts) replay graphs of their own, captured first into the same
 pool (worker/mixed_graphs.py). Sampling stays outside the graph. Anything that moves the
 captured tensors (the KV cache freed by sleep, weights moved to the host and back, parameters

@@ -109,6 +109,12 @@ class InputProcessor:
         return out
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """Raises ValueError for parameters this model cannot take, or a prompt too long."""
+        self.validate_sampling(params)
+        self.validate_length(params, num_prompt_tokens)
+
+    def validate_sampling(self, params: SamplingParams) -> None:
+        """The checks that do not depend on the prompt: once for a batch of prompts."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
@@ -137,6 +143,9 @@ class InputProcessor:
                              f"back), got {type(kv_params).__name__}")
         if params.structured_outputs is not None:   # the engine's message, before the engine
             backend_class(self.config.structured_outputs.backend).validate(params.structured_outputs)
+
+    def validate_length(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """The prompt, and max_tokens after it, within max_model_len."""
         max_len = self.config.model.max_model_len
         if num_prompt_tokens >= max_len:
             raise ValueError(

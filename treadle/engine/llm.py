@@ -186,9 +186,11 @@ class LLM:
         # Tokenize and validate everything first, so one bad prompt adds none of the others.
         processor = self.engine.input_processor
         tokenized = []
+        for params in {id(p): p for p in params_list}.values():   # often one for every prompt
+            processor.validate_sampling(params)
         for prompt, params in zip(prompts, params_list):
             text, ids = processor.truncate(*processor.tokenize(prompt), params)
-            processor.validate_params(params, len(ids))
+            processor.validate_length(params, len(ids))
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")

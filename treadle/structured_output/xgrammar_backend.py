@@ -36,7 +36,7 @@ def _source(params: StructuredOutputsParams) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=256)
 def _validate(kind: str, language: str, text: str, any_whitespace: bool) -> None:
-    """Parse the grammar, once per text: a request validates it once per prompt, and again as
+    """Parse the grammar, once per text: a request validates it as it comes, and again as
     the engine takes it (a deep JSON schema parses in seconds; an error is not cached)."""
     try:
         if language == "json":

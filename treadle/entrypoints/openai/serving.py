@@ -224,9 +224,11 @@ class OpenAIServing:
     def _validate(self, params: SamplingParams, prompts: list[list[int]], req: SamplingFields,
                   tools_constrain: bool) -> None:
         try:
+            processor = self.engine.input_processor
+            processor.validate_sampling(params)
             for prompt_ids in prompts:
-                self.engine.input_processor.validate_params(params, len(prompt_ids))
-                self.engine.input_processor.tokenize(prompt_ids)
+                processor.validate_length(params, len(prompt_ids))
+                processor.tokenize(prompt_ids)
         except ValueError as e:
             message, param = _constraint_named(str(e), req, tools_constrain)
             if "max_tokens must be in" in message:   # past the context (vLLM's wording first)

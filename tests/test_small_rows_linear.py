@@ -3,10 +3,12 @@ use in the model: below `linear.SMALL_ROWS` rows and only once the model uses th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from tests.kernel_support import CPU, needs_kernels
+from tests.kernel_support import CPU, HAS_AVX512, needs_kernels
+from treadle.kernels import cpu
 from tests.reference import linear_float64
 from treadle.models import linear
 
@@ -34,6 +36,38 @@ def test_small_rows_linear_bf16_and_a_strided_x():
     got = torch.ops.treadle.small_rows_linear(x, w, None)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-1)
+
+
+def sixteen_lane_order(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """x @ w.T + b in fp32 as the vector kernels add it, K a multiple of 16: per output, 16
+    lane sums, those lanes reduced as GCC's _mm512_reduce_add_ps does (halves, quarters,
+    pairs), then the bias. (Weights past the last whole vector are added in an order of the
+    compiler's: the same code on either CPU.)"""
+    lanes = np.zeros((x.shape[0], w.shape[0], 16), np.float32)
+    for i in range(0, x.shape[1], 16):
+        lanes = lanes + x[:, None, i:i + 16] * w[None, :, i:i + 16]
+    halves = lanes[..., 8:] + lanes[..., :8]
+    quarters = halves[..., 4:] + halves[..., :4]
+    pairs = quarters + quarters[..., [2, 3, 0, 1]]
+    return (pairs[..., 0] + pairs[..., 1]) + b
+
+
+@needs_kernels
+@pytest.mark.skipif(not (HAS_AVX512 or cpu.cpu_has("avx2")),
+                    reason="the plain loop, for CPUs with neither AVX2 nor AVX-512, sums in "
+                           "another order")
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_avx2_and_avx512_add_in_one_order_at_every_batch(rows):
+    """The AVX2 kernel keeps the AVX-512 kernel's 16-lane sums, so an output's bits do not
+    depend on the CPU (with either), nor on how many rows share the call."""
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, 576), torch.randn(37, 576), torch.randn(37)   # 37: columns
+    got = torch.ops.treadle.small_rows_linear(x, w, b)                          # past the streams
+    assert np.array_equal(got.numpy(), sixteen_lane_order(x.numpy(), w.numpy(), b.numpy()))
+    x, w = torch.randn(rows, 100), torch.randn(37, 100)   # 4 weights past the last vector
+    got = torch.ops.treadle.small_rows_linear(x, w, b)
+    for r in range(rows):
+        assert torch.equal(torch.ops.treadle.small_rows_linear(x[r:r + 1], w, b), got[r:r + 1])
 
 
 @needs_kernels

@@ -19,7 +19,7 @@
 
 #include <cstring>
 #include <type_traits>
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <vector>
@@ -65,6 +65,16 @@ struct DenseRows {
       return treadle::vec::load16(w + col * k + i);
     }
   }
+#elif defined(__AVX2__)
+  treadle::vec::Lanes16 lanes16(int64_t col, int64_t i) const {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      float out[kLanes];
+      load16(col, i, out);
+      return treadle::vec::load16(static_cast<const float*>(out));
+    } else {
+      return treadle::vec::load16(w + col * k + i);
+    }
+  }
 #endif
 };
 
@@ -91,6 +101,15 @@ struct Int8Rows {
     // and the kernel would no longer compute the dequantized model exactly.
     asm("" : "+v"(weight));
     return weight;
+  }
+#elif defined(__AVX2__)
+  treadle::vec::Lanes16 lanes16(int64_t col, int64_t i) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + col * k + i));
+    const __m256 scale = _mm256_set1_ps(scales[(col * k + i) / kGroup]);
+    __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+    __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), scale);
+    asm("" : "+x"(lo), "+x"(hi));   // as above: no reassociating x * (q * scale)
+    return {lo, hi};
   }
 #endif
 };
@@ -199,6 +218,54 @@ void columns_avx512_range(const float* xf, int64_t k, const Rows& w, int64_t beg
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: the AVX-512 kernel above with each 16-lane accumulator in two 256-bit halves, added and
+// reduced in its order (vec::Lanes16), so that an AVX2 CPU computes the same bits. With 16
+// registers of 8 lanes instead of 32 of 16, fewer streams fit: R * S accumulators take twice
+// as many registers each.
+template <typename Rows>
+inline treadle::vec::Lanes16 lanes16(const Rows& w, int64_t col, int64_t i) { return w.lanes16(col, i); }
+template <int64_t Type>
+inline treadle::vec::Lanes16 lanes16(const treadle::gguf::Rows<Type>& w, int64_t col, int64_t i) {
+  treadle::vec::Lanes16 out;
+  w.halves16(col, i, out.lo, out.hi);
+  return out;
+}
+
+template <int R, int S, typename scalar_t, typename Rows>
+inline void columns_avx2(const float* xf, int64_t k, const Rows& w, int64_t col, int64_t gap,
+                         const scalar_t* bias, scalar_t* y, int64_t ys) {
+  namespace v = treadle::vec;
+  const int64_t k_vec = k / kLanes * kLanes;
+  v::Lanes16 acc[R][S];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s] = v::zero16();
+  for (int64_t i = 0; i < k_vec; i += kLanes) {
+    v::Lanes16 wv[S];
+    for (int s = 0; s < S; ++s) wv[s] = lanes16(w, col + s * gap, i);
+    for (int r = 0; r < R; ++r) {
+      const v::Lanes16 xv = v::load16(xf + r * k + i);
+      for (int s = 0; s < S; ++s) acc[r][s] = v::add_product(acc[r][s], xv, wv[s]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s)
+      y[r * ys + col + s * gap] = finish(v::reduce_add(acc[r][s]), xf + r * k, w, col + s * gap, k_vec, k, bias);
+}
+
+template <int R>
+constexpr int kAvx2Streams = R == 1 ? 4 : (R == 2 ? 2 : 1);
+
+template <int R, typename scalar_t, typename Rows>
+void columns_avx2_range(const float* xf, int64_t k, const Rows& w, int64_t begin, int64_t end,
+                        const scalar_t* bias, scalar_t* y, int64_t ys) {
+  constexpr int S = kAvx2Streams<R>;
+  const int64_t part = (end - begin) / S;
+  for (int64_t col = begin; col < begin + part; ++col) columns_avx2<R, S>(xf, k, w, col, part, bias, y, ys);
+  for (int64_t col = begin + S * part; col < end; ++col) columns_avx2<R, 1>(xf, k, w, col, 0, bias, y, ys);
+}
+#endif
+
 template <typename scalar_t, typename Rows>
 void gemv_impl(at::Tensor& y, const at::Tensor& x, const Rows& w, int64_t n, const at::Tensor* bias) {
   const int64_t rows = x.size(0), k = x.size(1);
@@ -215,6 +282,14 @@ void gemv_impl(at::Tensor& y, const at::Tensor& x, const Rows& w, int64_t n, con
     switch (rows) {
 #define TREADLE_ROWS_CASE(R) \
       case R: return columns_avx512_range<R>(xf.data(), k, w, begin, end, bd, yd, ys);
+      TREADLE_ROWS_CASE(1) TREADLE_ROWS_CASE(2) TREADLE_ROWS_CASE(3) TREADLE_ROWS_CASE(4)
+      TREADLE_ROWS_CASE(5) TREADLE_ROWS_CASE(6) TREADLE_ROWS_CASE(7) TREADLE_ROWS_CASE(8)
+#undef TREADLE_ROWS_CASE
+    }
+#elif defined(__AVX2__)
+    switch (rows) {
+#define TREADLE_ROWS_CASE(R) \
+      case R: return columns_avx2_range<R>(xf.data(), k, w, begin, end, bd, yd, ys);
       TREADLE_ROWS_CASE(1) TREADLE_ROWS_CASE(2) TREADLE_ROWS_CASE(3) TREADLE_ROWS_CASE(4)
       TREADLE_ROWS_CASE(5) TREADLE_ROWS_CASE(6) TREADLE_ROWS_CASE(7) TREADLE_ROWS_CASE(8)
 #undef TREADLE_ROWS_CASE

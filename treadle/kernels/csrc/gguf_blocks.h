@@ -55,36 +55,14 @@ struct Rows {
   // block's scales converted once (CPUs without AVX-512: 16 `at` calls, each converting them,
   // made a SmolLM2 Q4_1 decode step about 190 ms on an AVX2 Zen 3).
   void load16(int64_t col, int64_t i, float* out) const {
-    const uint8_t* b = block(col, i);
-    const float d = half_at(b);
 #ifdef __AVX2__
-    // Two vectors of 8: the quants widened to int32, converted and scaled.
-    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ8_0 ? 2 + i % kBlock : kQuants)));
-    __m256i lo, hi;
-    if constexpr (Type == kQ8_0) {
-      lo = _mm256_cvtepi8_epi32(q);
-      hi = _mm256_cvtepi8_epi32(_mm_srli_si128(q, 8));
-    } else {
-      if (i % kBlock) q = _mm_srli_epi16(q, 4);   // the second half: the high nibbles
-      q = _mm_and_si128(q, _mm_set1_epi8(0xF));
-      lo = _mm256_cvtepu8_epi32(q);
-      hi = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
-      if constexpr (Type == kQ4_0) {
-        lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(8));
-        hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(8));
-      }
-    }
-    __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d));
-    __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(d));
-    if constexpr (Type == kQ4_1) {
-      asm("" : "+x"(w0), "+x"(w1));   // d q rounded before m is added (no fused multiply-add)
-      const __m256 m = _mm256_set1_ps(half_at(b + 2));
-      w0 = _mm256_add_ps(w0, m);
-      w1 = _mm256_add_ps(w1, m);
-    }
+    __m256 w0, w1;
+    halves16(col, i, w0, w1);
     _mm256_storeu_ps(out, w0);
     _mm256_storeu_ps(out + 8, w1);
 #else
+    const uint8_t* b = block(col, i);
+    const float d = half_at(b);
     if constexpr (Type == kQ8_0) {
       const int8_t* q = reinterpret_cast<const int8_t*>(b + 2 + i % kBlock);
 #pragma omp simd
@@ -108,6 +86,38 @@ struct Rows {
     // The weights are what the kernel multiplies x by: no reassociating x * (d q) (-ffast-math).
     asm volatile("" : : "r"(out) : "memory");
   }
+
+#ifdef __AVX2__
+  // The same 16 weights in two vectors of 8: the quants widened to int32, converted and scaled.
+  void halves16(int64_t col, int64_t i, __m256& w0, __m256& w1) const {
+    const uint8_t* b = block(col, i);
+    const float d = half_at(b);
+    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ8_0 ? 2 + i % kBlock : kQuants)));
+    __m256i lo, hi;
+    if constexpr (Type == kQ8_0) {
+      lo = _mm256_cvtepi8_epi32(q);
+      hi = _mm256_cvtepi8_epi32(_mm_srli_si128(q, 8));
+    } else {
+      if (i % kBlock) q = _mm_srli_epi16(q, 4);   // the second half: the high nibbles
+      q = _mm_and_si128(q, _mm_set1_epi8(0xF));
+      lo = _mm256_cvtepu8_epi32(q);
+      hi = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
+      if constexpr (Type == kQ4_0) {
+        lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(8));
+        hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(8));
+      }
+    }
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d));
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(d));
+    if constexpr (Type == kQ4_1) {
+      asm("" : "+x"(w0), "+x"(w1));   // d q rounded before m is added (no fused multiply-add)
+      const __m256 m = _mm256_set1_ps(half_at(b + 2));
+      w0 = _mm256_add_ps(w0, m);
+      w1 = _mm256_add_ps(w1, m);
+    }
+    asm("" : "+x"(w0), "+x"(w1));   // keep x * w from being reassociated (-ffast-math)
+  }
+#endif
 
 #ifdef __AVX512F__
   // A whole block, weights i .. i + 31 (i a multiple of 32), as two vectors.

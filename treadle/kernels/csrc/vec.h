@@ -1,6 +1,6 @@
 // AVX-512 helpers for the kernels: loads as fp32, an inline exp and a 16 x 16 transpose
-// (compiled only where the CPU has AVX-512), whether bf16 products can come from pairs, and a
-// transpose of any shape.
+// (compiled only where the CPU has AVX-512), their AVX2 stand-ins for 16 lanes (`Lanes16`),
+// whether bf16 products can come from pairs, and a transpose of any shape.
 #pragma once
 
 namespace treadle::vec {
@@ -127,6 +127,58 @@ inline void transpose16(const float* src, int64_t ld_src, float* dst, int64_t ld
   swap_round<4>(r);
   swap_round<8>(r);
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ld_dst, r[i]);
+}
+
+}  // namespace treadle::vec
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace treadle::vec {
+
+// Without AVX-512 (an AVX2 CPU): 16 fp32 lanes as two 256-bit halves, so that a kernel keeps
+// the AVX-512 version's 16-lane accumulators, and with them its sums, bit for bit.
+struct Lanes16 {
+  __m256 lo, hi;
+};
+
+inline Lanes16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(__m128i words) {   // exact: bf16 is fp32's top half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+}
+inline Lanes16 load16(const c10::BFloat16* p) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  return {widen_bf16(_mm_loadu_si128(q)), widen_bf16(_mm_loadu_si128(q + 1))};
+}
+inline Lanes16 load16(const c10::Half* p) {
+#ifdef __F16C__
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+#else
+  float out[16];
+  for (int j = 0; j < 16; ++j) out[j] = static_cast<float>(p[j]);
+  return load16(out);
+#endif
+}
+
+// acc + x * w, lane by lane, the product rounded before the add (no FMA), as AVX-512's
+// _mm512_add_ps(acc, _mm512_mul_ps(x, w)).
+inline Lanes16 add_product(Lanes16 acc, Lanes16 x, Lanes16 w) {
+  return {_mm256_add_ps(acc.lo, _mm256_mul_ps(x.lo, w.lo)), _mm256_add_ps(acc.hi, _mm256_mul_ps(x.hi, w.hi))};
+}
+
+// The sum of the 16 lanes in _mm512_reduce_add_ps's order (GCC's): the halves, then the
+// quarters, then lanes {0, 1} + {2, 3}, then the last two.
+inline float reduce_add(Lanes16 v) {
+  const __m256 halves = _mm256_add_ps(v.hi, v.lo);
+  const __m128 quarters = _mm_add_ps(_mm256_extractf128_ps(halves, 1), _mm256_castps256_ps128(halves));
+  const __m128 pairs = _mm_add_ps(quarters, _mm_shuffle_ps(quarters, quarters, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(pairs) + _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, _MM_SHUFFLE(1, 1, 1, 1)));
 }
 
 }  // namespace treadle::vec
